@@ -1,0 +1,111 @@
+"""Creating, revoking and checking API tokens."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.contrib.auth import get_user_model
+from django.contrib.auth.base_user import AbstractBaseUser
+from django.db import transaction
+from django.utils import timezone
+
+from responses_app.errors import ProblemError, unauthorized
+
+from .models import RESERVED_SCOPES, SCOPES, ApiToken
+
+TOKEN_PREFIX = "lmsp"
+# last_used_at is written at most this often per token, not on every request.
+LAST_USED_RESOLUTION = timedelta(seconds=60)
+
+
+@dataclass(frozen=True)
+class IssuedToken:
+    token: ApiToken
+    secret: str  # shown once, never stored
+
+
+def _hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def parse_scopes(raw: str | list[str]) -> list[str]:
+    scopes = [s.strip() for s in raw.split(",")] if isinstance(raw, str) else list(raw)
+    scopes = [s for s in scopes if s]
+    for scope in scopes:
+        if scope in RESERVED_SCOPES:
+            raise ValueError(f"scope {scope!r} is reserved and cannot be granted")
+        if scope not in SCOPES:
+            raise ValueError(f"unknown scope {scope!r}; known: {', '.join(SCOPES)}")
+    return sorted(set(scopes))
+
+
+@transaction.atomic
+def create_token(
+    *,
+    username: str,
+    scopes: list[str] | str,
+    expires_in: int | None = None,
+    name: str = "",
+) -> IssuedToken:
+    user, _ = get_user_model().objects.get_or_create(username=username)
+    return issue_token(owner=user, scopes=parse_scopes(scopes), expires_in=expires_in, name=name)
+
+
+def issue_token(
+    *, owner: AbstractBaseUser, scopes: list[str], expires_in: int | None = None, name: str = ""
+) -> IssuedToken:
+    prefix = secrets.token_hex(6)
+    secret = f"{TOKEN_PREFIX}_{prefix}_{secrets.token_urlsafe(32)}"
+    expires_at = timezone.now() + timedelta(seconds=expires_in) if expires_in else None
+    token = ApiToken.objects.create(
+        owner=owner,
+        name=name,
+        prefix=prefix,
+        secret_hash=_hash(secret),
+        scopes=parse_scopes(scopes),
+        expires_at=expires_at,
+    )
+    return IssuedToken(token=token, secret=secret)
+
+
+def revoke_token(prefix: str) -> int:
+    """Revoke the tokens whose prefix starts with ``prefix``; returns how many."""
+    prefix = prefix.removeprefix(f"{TOKEN_PREFIX}_").split("_", 1)[0]
+    if not prefix:
+        return 0
+    return ApiToken.objects.filter(prefix__startswith=prefix, revoked_at__isnull=True).update(
+        revoked_at=timezone.now()
+    )
+
+
+def authenticate_bearer(header: str | None) -> ApiToken:
+    """The active token named by an ``Authorization: Bearer`` header, or 401."""
+    if not header:
+        raise unauthorized("The Authorization header is missing; send 'Bearer <token>'.")
+    scheme, _, secret = header.partition(" ")
+    secret = secret.strip()
+    if scheme.lower() != "bearer" or not secret:
+        raise unauthorized("The Authorization header must be 'Bearer <token>'.")
+    parts = secret.split("_", 2)
+    if len(parts) != 3 or parts[0] != TOKEN_PREFIX:
+        raise unauthorized("The bearer token is not valid.")
+    token = ApiToken.objects.select_related("owner").filter(prefix=parts[1]).first()
+    if token is None or not hmac.compare_digest(token.secret_hash, _hash(secret)):
+        raise unauthorized("The bearer token is not valid.")
+    now = timezone.now()
+    if not token.is_active(now):
+        raise unauthorized("The bearer token has expired or was revoked.")
+    if token.last_used_at is None or now - token.last_used_at > LAST_USED_RESOLUTION:
+        ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
+    return token
+
+
+def require_scope(token: ApiToken, scope: str) -> None:
+    if scope not in token.scopes:
+        raise ProblemError(
+            "insufficient_scope", f"This endpoint needs the {scope!r} scope.", scope=scope
+        )

@@ -1,0 +1,27 @@
+from django.contrib import admin
+from django.urls import path, re_path
+
+from responses_app import views as responses
+from responses_app.errors import ProblemError
+from responses_app.http import csrf_free
+from tasks_app import views as tasks
+
+
+@csrf_free
+def api_not_found(request, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+    raise ProblemError("not_found", f"There is nothing at {request.path}.")
+
+
+api = "lmsp/v1/"
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path(f"{api}models", responses.ModelListView.as_view()),
+    path(f"{api}models/<path:model_id>", responses.ModelDetailView.as_view()),
+    path(f"{api}responses", responses.create_response),
+    path(f"{api}responses/<str:response_id>", responses.ResponseDetailView.as_view()),
+    path(f"{api}tasks", tasks.TaskCollectionView.as_view()),
+    path(f"{api}tasks/<str:task_id>", tasks.TaskDetailView.as_view()),
+    path(f"{api}tasks/<str:task_id>/cancel", tasks.TaskCancelView.as_view()),
+    path(f"{api}tasks/<str:task_id>/events", tasks.task_events),
+    re_path(r"^lmsp/", api_not_found),
+]

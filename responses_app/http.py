@@ -1,0 +1,70 @@
+"""Helpers for the API's async views (direct responses and event streams)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.db import close_old_connections, connection
+from django.http import HttpRequest
+
+from accounts_app.models import ApiToken
+from accounts_app.services import authenticate_bearer, require_scope
+
+from .errors import ProblemError
+from .parsers import loads_strict
+
+
+async def db_call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ORM code from an async view and give its connection back at once.
+
+    The request's thread would otherwise keep its connection until the
+    request ends, which for a stream is when the stream ends.
+    """
+
+    def call() -> Any:
+        close_old_connections()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            connection.close()
+
+    return await sync_to_async(call, thread_sensitive=False)()
+
+
+def _authenticate(header: str | None, scope: str) -> ApiToken:
+    token = authenticate_bearer(header)
+    require_scope(token, scope)
+    return token
+
+
+async def authenticate(request: HttpRequest, scope: str) -> ApiToken:
+    return await db_call(_authenticate, request.headers.get("Authorization"), scope)
+
+
+def check_method(request: HttpRequest, allowed: tuple[str, ...]) -> None:
+    if request.method not in allowed:
+        raise ProblemError(
+            "method_not_allowed",
+            f"Method {request.method} is not allowed here.",
+            headers={"Allow": ", ".join(allowed)},
+        )
+
+
+def json_body(request: HttpRequest) -> object:
+    content_type = request.headers.get("Content-Type", "application/json")
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        raise ProblemError(
+            "invalid_request", "The body must be JSON (Content-Type: application/json)."
+        )
+    if not request.body:
+        raise ProblemError("invalid_request", "The request body is empty.")
+    return loads_strict(request.body)
+
+
+def csrf_free(view: Callable) -> Callable:
+    """Bearer-token endpoints carry no cookies, so CSRF does not apply."""
+    view.csrf_exempt = True
+    return functools.wraps(view)(view)

@@ -1,0 +1,73 @@
+"""Protocol rules that hold for every answer under ``/lmsp/``.
+
+Every answer carries ``LMSP-Version: 1.0``; a request for another major
+version is refused; oversized bodies are 413; and an exception that escapes a
+view becomes a ``500 internal_error`` problem document, never an HTML page.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, HttpResponse
+from django.utils.deprecation import MiddlewareMixin
+
+from .errors import ProblemError, problem_response
+
+log = logging.getLogger(__name__)
+
+API_PREFIX = "/lmsp/"
+PROTOCOL_VERSION = "1.0"
+
+
+class ProtocolMiddleware(MiddlewareMixin):
+    def process_request(self, request: HttpRequest) -> HttpResponse | None:
+        if not request.path.startswith(API_PREFIX):
+            return None
+        try:
+            check_version(request.headers.get("LMSP-Version"))
+            check_body_size(request.headers.get("Content-Length"))
+        except ProblemError as error:
+            return problem_response(error)
+        return None
+
+    def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
+        if not request.path.startswith(API_PREFIX):
+            return None
+        if isinstance(exception, ProblemError):
+            return problem_response(exception)
+        if isinstance(exception, RequestDataTooBig):
+            return problem_response(too_large())
+        log.exception("Unhandled error on %s %s", request.method, request.path)
+        return problem_response(ProblemError("internal_error", "The server failed to answer."))
+
+    def process_response(self, request: HttpRequest, response: HttpResponse) -> HttpResponse:
+        response["LMSP-Version"] = PROTOCOL_VERSION
+        return response
+
+
+def check_version(header: str | None) -> None:
+    if header is None:
+        return
+    major = header.strip().split(".", 1)[0]
+    if major != "1":
+        raise ProblemError(
+            "unsupported_version",
+            f"LMSP-Version {header!r} is not supported; this service speaks 1.0.",
+            param="LMSP-Version",
+        )
+
+
+def too_large() -> ProblemError:
+    return ProblemError(
+        "payload_too_large",
+        f"The request body is larger than {settings.LMSP_MAX_BODY_BYTES} bytes.",
+    )
+
+
+def check_body_size(content_length: str | None) -> None:
+    if content_length and content_length.isdigit():
+        if int(content_length) > settings.LMSP_MAX_BODY_BYTES:
+            raise too_large()

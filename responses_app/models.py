@@ -1,0 +1,52 @@
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+class ResponseStatus(models.TextChoices):
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    INCOMPLETE = "incomplete"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class Response(models.Model):
+    """A response as the protocol returns it, plus the request that made it.
+
+    ``output``, ``error`` and ``incomplete_details`` hold exactly the JSON the
+    protocol shows; ``protocol.response_object`` assembles the rest.
+    """
+
+    id = models.CharField(primary_key=True, max_length=40, editable=False)
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="responses"
+    )
+    model = models.CharField(max_length=100, db_index=True)
+    status = models.CharField(
+        max_length=20, choices=ResponseStatus.choices, default=ResponseStatus.IN_PROGRESS
+    )
+    input = models.JSONField(default=list)
+    # Generation settings as validated: temperature, max_output_tokens,
+    # response_format, tools, tool_choice.
+    params = models.JSONField(default=dict)
+    store = models.BooleanField(default=False)
+    previous_response = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="continuations"
+    )
+    # The prompt as rendered for the model (chat template applied), kept for
+    # the admin's conversation view and for checking what the model saw.
+    prompt = models.TextField(blank=True)
+    output = models.JSONField(default=list)
+    input_tokens = models.PositiveIntegerField(default=0)
+    output_tokens = models.PositiveIntegerField(default=0)
+    error = models.JSONField(null=True, blank=True)
+    incomplete_details = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return self.id

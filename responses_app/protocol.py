@@ -1,0 +1,198 @@
+"""The protocol's JSON shapes: every object and event body the API sends is
+built here, so that a field is named and ordered the same way everywhere."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tasks_app.models import Task
+    from workers.registry import ModelSpec
+
+    from .models import Response
+
+FINAL_EVENTS = frozenset(
+    {"response.completed", "response.incomplete", "response.failed", "response.cancelled", "error"}
+)
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def timestamp(moment) -> int | None:  # noqa: ANN001
+    return int(moment.timestamp()) if moment is not None else None
+
+
+# --- objects -----------------------------------------------------------------
+
+
+def model_object(spec: ModelSpec) -> dict:
+    return {
+        "id": spec.id,
+        "object": "model",
+        "context_window": spec.context_window,
+        "max_output_tokens": spec.max_output_tokens,
+        "capabilities": list(spec.capabilities),
+    }
+
+
+def usage(input_tokens: int, output_tokens: int) -> dict:
+    return {
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+def response_object(response: Response) -> dict:
+    return {
+        "id": response.id,
+        "object": "response",
+        "created_at": timestamp(response.created_at),
+        "status": response.status,
+        "model": response.model,
+        "output": response.output,
+        "usage": usage(response.input_tokens, response.output_tokens),
+        "error": response.error,
+        "incomplete_details": response.incomplete_details,
+        "previous_response_id": response.previous_response_id,
+        "store": response.store,
+    }
+
+
+def task_object(task: Task) -> dict:
+    final = task.is_final
+    return {
+        "id": task.id,
+        "object": "task",
+        "type": "response",
+        "status": task.status,
+        "created_at": timestamp(task.created_at),
+        "started_at": timestamp(task.started_at),
+        "completed_at": timestamp(task.completed_at),
+        "response_id": task.response_id,
+        "result": response_object(task.response) if final else None,
+        "error": task.error,
+        "last_event_id": task.last_event_id,
+        "first_available_event_id": task.first_available_event_id,
+    }
+
+
+def list_object(
+    data: list[dict], *, has_more: bool | None = None, next_cursor: str | None = None
+) -> dict:
+    body: dict = {"object": "list", "data": data}
+    if has_more is not None:
+        body["has_more"] = has_more
+        body["next_cursor"] = next_cursor
+    return body
+
+
+# --- output items ----------------------------------------------------------------
+
+
+def message_item(item_id: str, text: str | None) -> dict:
+    content = [] if text is None else [{"type": "output_text", "text": text}]
+    return {"id": item_id, "type": "message", "role": "assistant", "content": content}
+
+
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str) -> dict:
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+    }
+
+
+def reasoning_item(item_id: str, text: str | None) -> dict:
+    summary = [] if text is None else [{"type": "summary_text", "text": text}]
+    return {"id": item_id, "type": "reasoning", "summary": summary}
+
+
+# --- stream events: (event name, data) pairs --------------------------------------
+
+
+def created_event(response_id: str) -> tuple[str, dict]:
+    return "response.created", {"response_id": response_id, "status": "in_progress"}
+
+
+def item_added_event(response_id: str, output_index: int, item: dict) -> tuple[str, dict]:
+    return "response.output_item.added", {
+        "response_id": response_id,
+        "output_index": output_index,
+        "item": item,
+    }
+
+
+def text_delta_event(response_id: str, item_id: str, delta: str) -> tuple[str, dict]:
+    return "response.output_text.delta", {
+        "response_id": response_id,
+        "item_id": item_id,
+        "delta": delta,
+    }
+
+
+def reasoning_delta_event(response_id: str, item_id: str, delta: str) -> tuple[str, dict]:
+    return "response.reasoning_summary_text.delta", {
+        "response_id": response_id,
+        "item_id": item_id,
+        "delta": delta,
+    }
+
+
+def arguments_delta_event(response_id: str, item_id: str, delta: str) -> tuple[str, dict]:
+    return "response.function_call_arguments.delta", {
+        "response_id": response_id,
+        "item_id": item_id,
+        "delta": delta,
+    }
+
+
+def item_done_event(response_id: str, output_index: int, item: dict) -> tuple[str, dict]:
+    return "response.output_item.done", {
+        "response_id": response_id,
+        "output_index": output_index,
+        "item": item,
+    }
+
+
+def completed_event(response_id: str, usage_body: dict) -> tuple[str, dict]:
+    return "response.completed", {
+        "response_id": response_id,
+        "status": "completed",
+        "usage": usage_body,
+    }
+
+
+def incomplete_event(response_id: str, reason: str, usage_body: dict) -> tuple[str, dict]:
+    return "response.incomplete", {
+        "response_id": response_id,
+        "status": "incomplete",
+        "incomplete_details": {"reason": reason},
+        "usage": usage_body,
+    }
+
+
+def failed_event(response_id: str, error: dict) -> tuple[str, dict]:
+    return "response.failed", {"response_id": response_id, "status": "failed", "error": error}
+
+
+def cancelled_event(response_id: str, usage_body: dict) -> tuple[str, dict]:
+    return "response.cancelled", {
+        "response_id": response_id,
+        "status": "cancelled",
+        "usage": usage_body,
+    }
+
+
+def sse_frame(event_id: int, event: str, data_json: str) -> bytes:
+    """One server-sent event. Ids are integers and names come from this module,
+    so neither can carry CR, LF or NUL; data is compact JSON on one line."""
+    return f"id: {event_id}\nevent: {event}\ndata: {data_json}\n\n".encode()
+
+
+KEEPALIVE_FRAME = b": keep-alive\n\n"

@@ -1,0 +1,32 @@
+"""Reads of responses."""
+
+from __future__ import annotations
+
+from django.contrib.auth.base_user import AbstractBaseUser
+
+from .errors import ProblemError
+from .models import Response
+
+
+def stored_response(
+    owner: AbstractBaseUser, response_id: str, param: str | None = None
+) -> Response:
+    """A response kept with ``store: true`` by this owner, else 404 (never 403)."""
+    response = Response.objects.filter(id=response_id, owner=owner, store=True).first()
+    if response is None:
+        raise ProblemError(
+            "response_not_found", f"No stored response with id {response_id!r}.", param=param
+        )
+    return response
+
+
+def conversation_items(response: Response) -> list[dict]:
+    """The whole context a response continued from, then its own input and output."""
+    chain = []
+    while response is not None:
+        chain.append(response)
+        response = response.previous_response
+    items: list[dict] = []
+    for turn in reversed(chain):
+        items += turn.input + turn.output
+    return items

@@ -1,0 +1,344 @@
+"""Validation of LMSP requests (section 6.1 and contract section 5).
+
+No coercion: a field of the wrong JSON type is refused, never converted.
+Unknown fields and item types are refused by name. Errors carry the
+contract's code (``ErrorDetail.code``) and are turned into a problem
+document naming the field (``validation_problem``).
+"""
+
+from __future__ import annotations
+
+import re
+
+from rest_framework import serializers
+
+from .errors import ProblemError
+from .ids import is_valid_id
+
+RESERVED_PART_TYPES = ("input_image", "input_audio", "input_file")
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+# --- strict scalar fields ---------------------------------------------------------
+
+
+class StrictCharField(serializers.CharField):
+    def to_internal_value(self, data: object) -> str:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictBooleanField(serializers.BooleanField):
+    def to_internal_value(self, data: object) -> bool:
+        if not isinstance(data, bool):
+            self.fail("invalid", input=data)
+        return data
+
+
+class StrictIntegerField(serializers.IntegerField):
+    def to_internal_value(self, data: object) -> int:
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictFloatField(serializers.FloatField):
+    def to_internal_value(self, data: object) -> float:
+        if isinstance(data, bool) or not isinstance(data, int | float):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictListField(serializers.ListField):
+    def to_internal_value(self, data: object) -> list:
+        if not isinstance(data, list):
+            self.fail("not_a_list", input_type=type(data).__name__)
+        return super().to_internal_value(data)
+
+
+class JSONObjectField(serializers.JSONField):
+    def to_internal_value(self, data: object) -> dict:
+        if not isinstance(data, dict):
+            raise serializers.ValidationError("Expected a JSON object.")
+        return data
+
+
+class StrictSerializer(serializers.Serializer):
+    """Refuses members it does not declare, and anything but a JSON object."""
+
+    def to_internal_value(self, data: object) -> dict:
+        if not isinstance(data, dict):
+            raise serializers.ValidationError(
+                {"non_field_errors": [f"Expected a JSON object, got {json_type(data)}."]}
+            )
+        unknown = [key for key in data if key not in self.fields]
+        if unknown:
+            raise serializers.ValidationError({unknown[0]: [f"Unknown field {unknown[0]!r}."]})
+        return super().to_internal_value(data)
+
+
+def json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array"}.get(
+        type(value), "object"
+    )
+
+
+# --- input items ----------------------------------------------------------------
+
+
+class TextPartSerializer(StrictSerializer):
+    type = StrictCharField()
+    text = StrictCharField(allow_blank=True, trim_whitespace=False)
+    annotations = StrictListField(required=False)
+
+
+class PartField(serializers.Field):
+    """One content part, chosen by its ``type``."""
+
+    def to_internal_value(self, data: object) -> dict:
+        if not isinstance(data, dict):
+            raise serializers.ValidationError(
+                f"Expected a content part object, got {json_type(data)}."
+            )
+        part_type = data.get("type")
+        if part_type in RESERVED_PART_TYPES:
+            raise serializers.ValidationError(
+                {
+                    "type": [
+                        serializers.ErrorDetail(
+                            f"Content type {part_type!r} is reserved in LMSP 1.0;"
+                            " only text is supported.",
+                            code="unsupported_content_type",
+                        )
+                    ]
+                }
+            )
+        if part_type not in ("input_text", "output_text"):
+            raise serializers.ValidationError(
+                {"type": [f"Unknown content part type {part_type!r}."]}
+            )
+        return run_nested(TextPartSerializer, data)
+
+
+class MessageItemSerializer(StrictSerializer):
+    type = StrictCharField()
+    id = StrictCharField(required=False)
+    status = StrictCharField(required=False)
+    role = serializers.ChoiceField(choices=["system", "user", "assistant"])
+    content = StrictListField(child=PartField())
+
+    def validate(self, attrs: dict) -> dict:
+        for index, part in enumerate(attrs["content"]):
+            allowed = "output_text" if attrs["role"] == "assistant" else "input_text"
+            if part["type"] not in (allowed, "input_text"):
+                raise serializers.ValidationError(
+                    {
+                        "content": {
+                            index: {
+                                "type": [
+                                    f"A {attrs['role']} message cannot hold {part['type']!r} parts."
+                                ]
+                            }
+                        }
+                    }
+                )
+        return attrs
+
+
+class FunctionCallItemSerializer(StrictSerializer):
+    type = StrictCharField()
+    id = StrictCharField(required=False)
+    status = StrictCharField(required=False)
+    call_id = StrictCharField()
+    name = StrictCharField()
+    arguments = StrictCharField(allow_blank=True, trim_whitespace=False)
+
+
+class FunctionCallOutputItemSerializer(StrictSerializer):
+    type = StrictCharField()
+    id = StrictCharField(required=False)
+    status = StrictCharField(required=False)
+    call_id = StrictCharField()
+    output = StrictCharField(allow_blank=True, trim_whitespace=False)
+
+
+class SummaryPartSerializer(StrictSerializer):
+    type = serializers.ChoiceField(choices=["summary_text"])
+    text = StrictCharField(allow_blank=True, trim_whitespace=False)
+
+
+class ReasoningItemSerializer(StrictSerializer):
+    type = StrictCharField()
+    id = StrictCharField(required=False)
+    status = StrictCharField(required=False)
+    summary = StrictListField(child=SummaryPartSerializer())
+
+
+ITEM_SERIALIZERS = {
+    "message": MessageItemSerializer,
+    "function_call": FunctionCallItemSerializer,
+    "function_call_output": FunctionCallOutputItemSerializer,
+    "reasoning": ReasoningItemSerializer,
+}
+
+
+def run_nested(serializer_class: type[serializers.Serializer], data: object) -> dict:
+    serializer = serializer_class(data=data)
+    if not serializer.is_valid():
+        raise serializers.ValidationError(serializer.errors)
+    return dict(serializer.validated_data)
+
+
+class ItemField(serializers.Field):
+    def to_internal_value(self, data: object) -> dict:
+        if not isinstance(data, dict):
+            raise serializers.ValidationError(
+                f"Expected an input item object, got {json_type(data)}."
+            )
+        item_type = data.get("type")
+        serializer_class = ITEM_SERIALIZERS.get(item_type)
+        if serializer_class is None:
+            raise serializers.ValidationError({"type": [f"Unknown input item type {item_type!r}."]})
+        return run_nested(serializer_class, data)
+
+
+# --- tools and formats -----------------------------------------------------------
+
+
+class FunctionToolSerializer(StrictSerializer):
+    type = serializers.ChoiceField(choices=["function"])
+    name = StrictCharField()
+    description = StrictCharField(required=False, allow_blank=True)
+    parameters = JSONObjectField(required=False)
+    strict = StrictBooleanField(required=False)
+
+    def validate_name(self, value: str) -> str:
+        if not TOOL_NAME.match(value):
+            raise serializers.ValidationError("Tool names are 1 to 64 letters, digits, '_' or '-'.")
+        return value
+
+
+class ToolChoiceField(serializers.Field):
+    def to_internal_value(self, data: object) -> str | dict:
+        if isinstance(data, str):
+            if data not in ("auto", "none", "required"):
+                raise serializers.ValidationError(
+                    "Expected 'auto', 'none', 'required'"
+                    ' or {"type": "function", "name": ...}.'
+                )
+            return data
+        return run_nested(NamedToolChoiceSerializer, data)
+
+
+class NamedToolChoiceSerializer(StrictSerializer):
+    type = serializers.ChoiceField(choices=["function"])
+    name = StrictCharField()
+
+
+class JsonSchemaFormatSerializer(StrictSerializer):
+    name = StrictCharField()
+    schema = JSONObjectField()
+    description = StrictCharField(required=False, allow_blank=True)
+    strict = StrictBooleanField(required=False)
+
+
+class ResponseFormatSerializer(StrictSerializer):
+    type = serializers.ChoiceField(choices=["text", "json_schema"])
+    json_schema = JsonSchemaFormatSerializer(required=False)
+
+    def validate(self, attrs: dict) -> dict:
+        if attrs["type"] == "json_schema" and "json_schema" not in attrs:
+            raise serializers.ValidationError({"json_schema": ["This field is required."]})
+        if attrs["type"] == "text" and "json_schema" in attrs:
+            raise serializers.ValidationError(
+                {"json_schema": ["Only allowed with type json_schema."]}
+            )
+        return attrs
+
+
+# --- the request -----------------------------------------------------------------
+
+
+class ResponseRequestSerializer(StrictSerializer):
+    model = StrictCharField()
+    input = StrictListField(child=ItemField(), allow_empty=False)
+    stream = StrictBooleanField(required=False, default=False)
+    max_output_tokens = StrictIntegerField(required=False, min_value=1)
+    temperature = StrictFloatField(required=False, min_value=0.0, max_value=2.0, default=1.0)
+    response_format = ResponseFormatSerializer(required=False)
+    tools = StrictListField(child=FunctionToolSerializer(), required=False)
+    tool_choice = ToolChoiceField(required=False)
+    store = StrictBooleanField(required=False, default=False)
+    previous_response_id = StrictCharField(required=False)
+    extensions = JSONObjectField(required=False)
+
+    def validate_previous_response_id(self, value: str) -> str:
+        if not is_valid_id(value, "resp"):
+            raise serializers.ValidationError("Expected a response id (resp_ and a ULID).")
+        return value
+
+    def validate(self, attrs: dict) -> dict:
+        tools = attrs.get("tools") or []
+        names = [tool["name"] for tool in tools]
+        if len(names) != len(set(names)):
+            raise serializers.ValidationError({"tools": ["Tool names must be unique."]})
+        choice = attrs.get("tool_choice")
+        if isinstance(choice, dict) and choice["name"] not in names:
+            raise serializers.ValidationError(
+                {"tool_choice": {"name": [f"No tool named {choice['name']!r} in tools."]}}
+            )
+        if choice == "required" and not tools:
+            raise serializers.ValidationError(
+                {"tool_choice": ["'required' needs at least one tool."]}
+            )
+        return attrs
+
+
+class TaskRequestSerializer(StrictSerializer):
+    type = serializers.ChoiceField(choices=["response"])
+    request = JSONObjectField()
+
+
+# --- errors ---------------------------------------------------------------------
+
+
+def _first_error(detail: object, path: str = "") -> tuple[str, object]:
+    """The path (``input[0].content[0].type``) and message of the first error."""
+    if isinstance(detail, dict):
+        key, value = next(iter(detail.items()))
+        if isinstance(key, int):
+            child = f"{path}[{key}]"
+        elif key == "non_field_errors":
+            child = path
+        else:
+            child = f"{path}.{key}" if path else str(key)
+        return _first_error(value, child)
+    if isinstance(detail, list):
+        for index, value in enumerate(detail):
+            if isinstance(value, str):
+                return path, value
+            if value:  # a many=True list holds empty entries for valid members
+                return _first_error(value, f"{path}[{index}]")
+    return path, detail
+
+
+def validation_problem(errors: object, prefix: str = "") -> ProblemError:
+    """The problem document for the first error of a serializer."""
+    path, detail = _first_error(errors)
+    if prefix:
+        path = f"{prefix}.{path}" if path else prefix
+    code = getattr(detail, "code", None)
+    problem_code = (
+        "unsupported_content_type" if code == "unsupported_content_type" else "invalid_request"
+    )
+    return ProblemError(problem_code, f"{path or 'body'}: {detail}", param=path or None)
+
+
+def validate_response_request(data: object, prefix: str = "") -> dict:
+    serializer = ResponseRequestSerializer(data=data)
+    if not serializer.is_valid():
+        raise validation_problem(serializer.errors, prefix)
+    return dict(serializer.validated_data)

@@ -1,0 +1,98 @@
+"""Models and responses endpoints (section 6.1-6.3, contract sections 4-5)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from django.contrib.auth.base_user import AbstractBaseUser
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from rest_framework.request import Request
+from rest_framework.response import Response as DRFResponse
+from rest_framework.views import APIView
+
+from tasks_app import services as task_services
+from tasks_app.models import Task, TaskKind
+from tasks_app.streams import SSE_HEADERS, follow
+from workers.registry import available_models, get_model
+
+from . import protocol
+from .errors import ProblemError
+from .http import authenticate, check_method, csrf_free, db_call, json_body
+from .selectors import stored_response
+from .serializers import validate_response_request
+from .services import prepare_generation
+
+
+class ModelListView(APIView):
+    required_scopes = {"GET": "models:read"}
+
+    def get(self, request: Request) -> DRFResponse:
+        models = [protocol.model_object(spec) for spec in available_models().values()]
+        return DRFResponse(protocol.list_object(models))
+
+
+class ModelDetailView(APIView):
+    required_scopes = {"GET": "models:read"}
+
+    def get(self, request: Request, model_id: str) -> DRFResponse:
+        return DRFResponse(protocol.model_object(get_model(model_id, param="model_id")))
+
+
+class ResponseDetailView(APIView):
+    required_scopes = {"GET": "responses:read"}
+
+    def get(self, request: Request, response_id: str) -> DRFResponse:
+        response = stored_response(request.user, response_id, param="response_id")
+        return DRFResponse(protocol.response_object(response))
+
+
+def _start_direct(owner: AbstractBaseUser, request_body: dict) -> Task:
+    prepared = prepare_generation(owner, request_body)
+    return task_services.start_generation(owner, prepared, TaskKind.DIRECT)
+
+
+def _final_answer(task_id: str) -> HttpResponse:
+    task = Task.objects.select_related("response").get(id=task_id)
+    body = protocol.response_object(task.response)
+    task_services.discard_unstored(task_id)
+    if task.response.status == "failed":
+        error = task.response.error
+        raise ProblemError(error["code"], error["detail"])
+    return JsonResponse(body)
+
+
+@csrf_free
+async def create_response(request: HttpRequest) -> HttpResponse:
+    """POST /lmsp/v1/responses: a synchronous answer or a direct event stream.
+
+    The generation runs on a worker either way; this view follows its event
+    log. If the client goes away first, the generation is cancelled.
+    """
+    check_method(request, ("POST",))
+    token = await authenticate(request, "responses:write")
+    body = validate_response_request(json_body(request))
+    task = await db_call(_start_direct, token.owner, body)
+    if body["stream"]:
+        return StreamingHttpResponse(
+            _direct_stream(task.id), content_type="text/event-stream", headers=SSE_HEADERS
+        )
+    try:
+        async for _ in follow(task.id, 0):
+            pass
+    except asyncio.CancelledError:
+        await asyncio.shield(db_call(task_services.cancel_abandoned, task.id))
+        raise
+    return await db_call(_final_answer, task.id)
+
+
+async def _direct_stream(task_id: str):  # noqa: ANN202
+    delivered = False
+    try:
+        async for frame in follow(task_id, 0):
+            yield frame
+        delivered = True
+    finally:
+        if delivered:
+            await db_call(task_services.discard_unstored, task_id)
+        else:  # the client went away mid-stream
+            await asyncio.shield(db_call(task_services.cancel_abandoned, task_id))

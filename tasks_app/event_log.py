@@ -1,0 +1,59 @@
+"""The event log: numbered events per task in PostgreSQL.
+
+``EventLog.append`` is the only writer. Its caller holds the task's row lock
+inside a transaction, so ids are assigned without gaps or repeats, and the
+events, the task's ``last_event_id`` and whatever else the caller changes on
+the task commit together. Readers are woken after the commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.db import transaction
+from django.utils import timezone
+
+from responses_app.protocol import dumps
+
+from . import notify
+from .models import Event, Task
+
+
+@dataclass(frozen=True)
+class StoredEvent:
+    id: int
+    event: str
+    data: str  # compact JSON, as sent
+
+
+class EventLog:
+    @staticmethod
+    def append(task: Task, events: list[tuple[str, dict]]) -> list[StoredEvent]:
+        """Number and store ``events`` after the task's last one.
+
+        ``task`` must be locked (``select_for_update``) in the current
+        transaction; the caller saves it (``last_event_id`` included).
+        """
+        if not events:
+            return []
+        assert transaction.get_connection().in_atomic_block, "EventLog.append needs a transaction"
+        now = timezone.now()
+        stored = [
+            StoredEvent(task.last_event_id + offset, name, dumps(data))
+            for offset, (name, data) in enumerate(events, start=1)
+        ]
+        Event.objects.bulk_create(
+            Event(task_id=task.id, seq=e.id, type=e.event, data=e.data, created_at=now)
+            for e in stored
+        )
+        task.last_event_id = stored[-1].id
+        task_id = task.id
+        transaction.on_commit(
+            lambda: notify.publish(task_id, [(e.id, e.event, e.data) for e in stored])
+        )
+        return stored
+
+    @staticmethod
+    def read_after(task_id: str, after: int, limit: int = 1000) -> list[StoredEvent]:
+        rows = Event.objects.filter(task_id=task_id, seq__gt=after).order_by("seq")[:limit]
+        return [StoredEvent(row.seq, row.type, row.data) for row in rows]

@@ -1,0 +1,221 @@
+"""A task's life: queued -> in_progress -> a final status.
+
+Workers own a running task through a lease and an attempt number. Every
+write of a worker goes through ``record_progress`` or ``finish``, which lock
+the task row and check that the worker's attempt is still the current one,
+so a worker presumed dead (its lease expired and the task was handed on)
+can never add to the log again. The sweeper hands on expired leases and
+re-sends queued tasks whose broker message was lost.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from lmsp_project.celery import app as celery_app
+from responses_app import protocol
+from responses_app.errors import ProblemError, problem
+from responses_app.models import Response
+
+from .event_log import EventLog
+from .models import Task, TaskStatus
+
+log = logging.getLogger(__name__)
+
+RUN_TASK = "workers.tasks.run_task"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a generation ended, as stored on the response."""
+
+    status: str
+    output: list = field(default_factory=list)
+    output_tokens: int = 0
+    error: dict | None = None
+    incomplete_details: dict | None = None
+
+
+@dataclass(frozen=True)
+class Progress:
+    owned: bool  # False: the task was handed on; stop without writing
+    cancel_requested: bool = False
+
+
+def _lease_deadline() -> timezone.datetime:
+    return timezone.now() + timedelta(seconds=settings.LMSP_LEASE_SECONDS)
+
+
+def enqueue_on_commit(task: Task, queue: str) -> None:
+    """Send the job once the task row is committed, so no worker sees it early."""
+    task_id = task.id
+    transaction.on_commit(lambda: send_job(task_id, queue))
+
+
+def send_job(task_id: str, queue: str) -> None:
+    try:
+        celery_app.send_task(RUN_TASK, args=[task_id], queue=queue)
+    except Exception as exc:  # broker down: the sweeper sends it again later
+        log.warning("Could not enqueue %s (%s); the sweeper will retry", task_id, exc)
+
+
+def _locked(task_id: str) -> Task | None:
+    return Task.objects.select_for_update().filter(id=task_id).first()
+
+
+@transaction.atomic
+def claim(task_id: str, worker: str) -> Task | None:
+    """Take a queued task for this worker; None when it is not (or no longer) queued."""
+    task = _locked(task_id)
+    if task is None or task.status != TaskStatus.QUEUED:
+        return None
+    now = timezone.now()
+    task.status = TaskStatus.IN_PROGRESS
+    task.attempt += 1
+    task.worker = worker
+    task.started_at = task.started_at or now
+    task.lease_expires_at = _lease_deadline()
+    task.save(update_fields=["status", "attempt", "worker", "started_at", "lease_expires_at"])
+    return task
+
+
+def _owned(task_id: str, attempt: int) -> Task | None:
+    task = _locked(task_id)
+    if task is None or task.attempt != attempt or task.status != TaskStatus.IN_PROGRESS:
+        return None
+    return task
+
+
+@transaction.atomic
+def record_progress(
+    task_id: str, attempt: int, events: list[tuple[str, dict]], checkpoint: dict
+) -> Progress:
+    """Append a worker's events with the checkpoint they lead to, and renew its lease."""
+    task = _owned(task_id, attempt)
+    if task is None:
+        return Progress(owned=False)
+    EventLog.append(task, events)
+    task.checkpoint = checkpoint
+    task.lease_expires_at = _lease_deadline()
+    task.save(update_fields=["last_event_id", "checkpoint", "lease_expires_at"])
+    return Progress(owned=True, cancel_requested=task.cancel_requested)
+
+
+@transaction.atomic
+def finish(task_id: str, attempt: int, events: list[tuple[str, dict]], outcome: Outcome) -> bool:
+    """Write a worker's last events and the final result; False if it lost the task."""
+    task = _owned(task_id, attempt)
+    if task is None:
+        return False
+    _finalize(task, events, outcome)
+    return True
+
+
+def _finalize(task: Task, events: list[tuple[str, dict]], outcome: Outcome) -> None:
+    """Close a locked task: its last events, its status and its response, in one go."""
+    now = timezone.now()
+    EventLog.append(task, events)
+    task.status = outcome.status
+    task.error = outcome.error
+    task.completed_at = now
+    task.lease_expires_at = None
+    task.checkpoint = None
+    task.save()
+    Response.objects.filter(id=task.response_id).update(
+        status=outcome.status,
+        output=outcome.output,
+        output_tokens=outcome.output_tokens,
+        error=outcome.error,
+        incomplete_details=outcome.incomplete_details,
+        completed_at=now,
+    )
+
+
+def _partial_outcome(task: Task, status: str, error: dict | None = None) -> tuple[list, Outcome]:
+    """Close what a worker left open (its checkpoint) when the worker cannot."""
+    from workers.output import OutputAssembler  # the assembler owns the item state
+
+    checkpoint = task.checkpoint or {}
+    assembler = OutputAssembler(task.response_id, checkpoint.get("assembler"))
+    events = assembler.close()
+    usage = protocol.usage(task.response.input_tokens, len(checkpoint.get("token_ids", [])))
+    if status == TaskStatus.CANCELLED:
+        events.append(protocol.cancelled_event(task.response_id, usage))
+    else:
+        events.append(protocol.failed_event(task.response_id, error))
+    outcome = Outcome(
+        status=status,
+        output=assembler.items,
+        output_tokens=usage["output_tokens"],
+        error=error,
+    )
+    return events, outcome
+
+
+@transaction.atomic
+def request_cancel(task_id: str) -> Task:
+    """Cancel in any state: a queued task ends now, a running one at its next step."""
+    task = Task.objects.select_for_update().select_related("response").get(id=task_id)
+    if task.is_final:
+        raise ProblemError(
+            "task_not_cancellable", f"Task {task.id} is already {task.status}.", param="task_id"
+        )
+    if task.status == TaskStatus.QUEUED:
+        _finalize(task, *_partial_outcome(task, TaskStatus.CANCELLED))
+    elif not task.cancel_requested:
+        task.cancel_requested = True
+        task.save(update_fields=["cancel_requested"])
+    return task
+
+
+@dataclass
+class SweepReport:
+    requeued: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    resent: list[str] = field(default_factory=list)
+
+
+def sweep() -> SweepReport:
+    """Hand on tasks whose worker stopped renewing its lease; re-send lost messages."""
+    from workers.registry import declared_models
+
+    report = SweepReport()
+    now = timezone.now()
+    expired = Task.objects.filter(status=TaskStatus.IN_PROGRESS, lease_expires_at__lt=now)
+    for task_id in expired.values_list("id", flat=True):
+        with transaction.atomic():
+            task = Task.objects.select_for_update().select_related("response").get(id=task_id)
+            if task.status != TaskStatus.IN_PROGRESS or task.lease_expires_at >= now:
+                continue
+            if task.cancel_requested:
+                _finalize(task, *_partial_outcome(task, TaskStatus.CANCELLED))
+                report.failed.append(task.id)
+            elif task.attempt >= settings.LMSP_MAX_ATTEMPTS:
+                error = problem(
+                    "worker_lost",
+                    f"The worker running this task was lost {task.attempt} times; giving up.",
+                )
+                _finalize(task, *_partial_outcome(task, TaskStatus.FAILED, error))
+                report.failed.append(task.id)
+            else:
+                log.warning("Lease of %s (attempt %s) expired; re-queueing", task.id, task.attempt)
+                task.status = TaskStatus.QUEUED
+                task.worker = ""
+                task.lease_expires_at = None
+                task.enqueued_at = now
+                task.save(update_fields=["status", "worker", "lease_expires_at", "enqueued_at"])
+                enqueue_on_commit(task, declared_models()[task.model].queue)
+                report.requeued.append(task.id)
+    stale = now - timedelta(seconds=settings.LMSP_REQUEUE_AFTER_SECONDS)
+    lost = Task.objects.filter(status=TaskStatus.QUEUED, enqueued_at__lt=stale)
+    for task in lost.only("id", "model"):
+        Task.objects.filter(id=task.id, status=TaskStatus.QUEUED).update(enqueued_at=now)
+        send_job(task.id, declared_models()[task.model].queue)
+        report.resent.append(task.id)
+    return report

@@ -1,0 +1,100 @@
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+class TaskStatus(models.TextChoices):
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    INCOMPLETE = "incomplete"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+FINAL_STATUSES = frozenset(
+    {TaskStatus.COMPLETED, TaskStatus.INCOMPLETE, TaskStatus.FAILED, TaskStatus.CANCELLED}
+)
+
+
+class TaskKind(models.TextChoices):
+    # Created with POST /tasks: listed, resumable, kept until task retention.
+    TASK = "task"
+    # The job behind a direct POST /responses: same machinery, never listed.
+    DIRECT = "direct"
+
+
+class Task(models.Model):
+    """One generation job and its lifecycle.
+
+    Every response is generated through a task; ``kind`` says whether the
+    client asked for one. ``attempt`` fences the worker that owns the job:
+    each write of a worker names the attempt it was given, so a worker that
+    was presumed dead can no longer write (see ``tasks_app.event_log``).
+    """
+
+    id = models.CharField(primary_key=True, max_length=40, editable=False)
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="tasks"
+    )
+    kind = models.CharField(max_length=10, choices=TaskKind.choices, default=TaskKind.TASK)
+    response = models.OneToOneField(
+        "responses_app.Response", on_delete=models.CASCADE, related_name="task"
+    )
+    model = models.CharField(max_length=100, db_index=True)
+    status = models.CharField(
+        max_length=20, choices=TaskStatus.choices, default=TaskStatus.QUEUED, db_index=True
+    )
+    error = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    enqueued_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    completed_at = models.DateTimeField(null=True, blank=True, db_index=True)
+
+    # Ownership of the running job.
+    attempt = models.PositiveIntegerField(default=0)
+    worker = models.CharField(max_length=200, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    cancel_requested = models.BooleanField(default=False)
+
+    # The event log: ids 1..last_event_id were written, 1..pruned_through removed.
+    last_event_id = models.PositiveIntegerField(default=0)
+    pruned_through = models.PositiveIntegerField(default=0)
+    # Where generation stands, written with each flush of events so that a new
+    # attempt continues exactly where the log ends (see workers.output).
+    checkpoint = models.JSONField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["owner", "kind", "-id"], name="task_owner_list")]
+
+    def __str__(self) -> str:
+        return self.id
+
+    @property
+    def is_final(self) -> bool:
+        return self.status in FINAL_STATUSES
+
+    @property
+    def first_available_event_id(self) -> int | None:
+        if self.pruned_through >= self.last_event_id and self.pruned_through > 0:
+            return None
+        return self.pruned_through + 1
+
+
+class Event(models.Model):
+    """One server-sent event of a task, numbered from 1 without gaps."""
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="events")
+    seq = models.PositiveIntegerField()
+    type = models.CharField(max_length=60)
+    # The data line exactly as sent: compact JSON text, so replays are byte-identical.
+    data = models.TextField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["task", "seq"]
+        constraints = [models.UniqueConstraint(fields=["task", "seq"], name="event_task_seq")]
+
+    def __str__(self) -> str:
+        return f"{self.task_id}#{self.seq} {self.type}"

@@ -1,0 +1,124 @@
+"""Tasks endpoints (contract section 6)."""
+
+from __future__ import annotations
+
+from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
+from rest_framework.request import Request
+from rest_framework.response import Response as DRFResponse
+from rest_framework.views import APIView
+
+from responses_app import protocol
+from responses_app.errors import ProblemError
+from responses_app.http import authenticate, check_method, csrf_free, db_call
+from responses_app.serializers import (
+    TaskRequestSerializer,
+    validate_response_request,
+    validation_problem,
+)
+from responses_app.services import prepare_generation
+
+from . import selectors, services
+from .models import TaskKind
+from .streams import SSE_HEADERS, follow
+
+
+def _int_param(raw: str, name: str, low: int, high: int | None = None) -> int:
+    if not raw.isdigit() or (high is not None and not low <= int(raw) <= high) or int(raw) < low:
+        bounds = f"from {low} to {high}" if high is not None else f"at least {low}"
+        raise ProblemError(
+            "invalid_request", f"{name} must be an integer {bounds}, not {raw!r}.", param=name
+        )
+    return int(raw)
+
+
+class TaskCollectionView(APIView):
+    required_scopes = {"GET": "tasks:read", "POST": "tasks:write"}
+
+    def post(self, request: Request) -> DRFResponse:
+        serializer = TaskRequestSerializer(data=request.data)
+        if not serializer.is_valid():
+            raise validation_problem(serializer.errors)
+        body = dict(serializer.validated_data["request"])
+        body.pop("stream", None)  # a task is always followed through its events
+        validated = validate_response_request(body, prefix="request")
+        prepared = prepare_generation(request.user, validated, param_prefix="request")
+        task = services.start_generation(request.user, prepared, TaskKind.TASK)
+        return DRFResponse(
+            protocol.task_object(task),
+            status=202,
+            headers={"Location": f"/lmsp/v1/tasks/{task.id}"},
+        )
+
+    def get(self, request: Request) -> DRFResponse:
+        query = request.query_params
+        unknown = set(query) - {"limit", "after", "status"}
+        if unknown:
+            name = sorted(unknown)[0]
+            raise ProblemError("invalid_request", f"Unknown query parameter {name!r}.", param=name)
+        limit = _int_param(query.get("limit", "20"), "limit", 1, 100)
+        status = query.get("status")
+        if status is not None and status not in selectors.STATUSES:
+            raise ProblemError(
+                "invalid_request",
+                f"status must be one of {', '.join(selectors.STATUSES)}.",
+                param="status",
+            )
+        tasks, has_more = selectors.task_page(
+            request.user, limit=limit, after=query.get("after"), status=status
+        )
+        next_cursor = tasks[-1].id if has_more else None
+        data = [protocol.task_object(task) for task in tasks]
+        return DRFResponse(protocol.list_object(data, has_more=has_more, next_cursor=next_cursor))
+
+
+class TaskDetailView(APIView):
+    required_scopes = {"GET": "tasks:read"}
+
+    def get(self, request: Request, task_id: str) -> DRFResponse:
+        return DRFResponse(protocol.task_object(selectors.owned_task(request.user, task_id)))
+
+
+class TaskCancelView(APIView):
+    required_scopes = {"POST": "tasks:write"}
+
+    def post(self, request: Request, task_id: str) -> DRFResponse:
+        task = services.cancel_task(selectors.owned_task(request.user, task_id))
+        return DRFResponse(protocol.task_object(task))
+
+
+def resume_point(request: HttpRequest) -> int:
+    """``after`` wins over ``Last-Event-ID``; neither means from the start."""
+    if "after" in request.GET:
+        return _int_param(request.GET["after"], "after", 0)
+    header = request.headers.get("Last-Event-ID")
+    if header is not None:
+        return _int_param(header.strip(), "Last-Event-ID", 0)
+    return 0
+
+
+@csrf_free
+async def task_events(request: HttpRequest, task_id: str) -> HttpResponse:
+    check_method(request, ("GET",))
+    token = await authenticate(request, "tasks:read")
+    after = resume_point(request)
+    task = await db_call(selectors.owned_task, token.owner, task_id)
+    if task.is_final and task.last_event_id <= after:
+        return HttpResponse(status=204)
+    if after > task.last_event_id:
+        raise ProblemError(
+            "invalid_request",
+            f"The resume point {after} is past the task's last event ({task.last_event_id}).",
+            param="after" if "after" in request.GET else "Last-Event-ID",
+        )
+    if after < task.pruned_through:
+        raise ProblemError(
+            "event_history_expired",
+            f"Events up to {task.pruned_through} were removed by retention; "
+            f"fetch the result from /lmsp/v1/tasks/{task.id}.",
+            first_available_event_id=task.first_available_event_id,
+            task_status=task.status,
+            task_url=f"/lmsp/v1/tasks/{task.id}",
+        )
+    return StreamingHttpResponse(
+        follow(task.id, after), content_type="text/event-stream", headers=SSE_HEADERS
+    )

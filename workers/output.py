@@ -1,0 +1,207 @@
+"""Turning generated text into protocol output items and stream events.
+
+The assembler is fed the model's text as it is decoded and answers with the
+events that text makes: a message item and its deltas, a reasoning item for
+``<think>...</think>``, a function call for ``<tool_call>{...}</tool_call>``.
+Markers may arrive split over several chunks, so the tail of the text that
+could still become a marker is held back until it is decided.
+
+Its whole state is a small JSON dict (``state()``), written in the same
+transaction as the events it produced; a new attempt after a lost worker
+restores it and goes on with the next events.
+"""
+
+from __future__ import annotations
+
+import json
+
+from responses_app import protocol
+from responses_app.ids import new_id
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _held_back(text: str, markers: tuple[str, ...]) -> int:
+    """How many trailing characters of ``text`` could begin one of ``markers``."""
+    longest = 0
+    for marker in markers:
+        for size in range(min(len(marker) - 1, len(text)), longest, -1):
+            if text.endswith(marker[:size]):
+                longest = size
+                break
+    return longest
+
+
+class OutputAssembler:
+    def __init__(
+        self,
+        response_id: str,
+        state: dict | None = None,
+        *,
+        parse_tools: bool = False,
+        parse_reasoning: bool = False,
+    ) -> None:
+        self.response_id = response_id
+        state = state or {
+            "items": [],
+            "open": None,
+            "mode": "text",
+            "buf": "",
+            "tools": parse_tools,
+            "reasoning": parse_reasoning,
+        }
+        self._s = state
+
+    # --- state -----------------------------------------------------------------
+
+    def state(self) -> dict:
+        return json.loads(json.dumps(self._s))
+
+    @property
+    def items(self) -> list[dict]:
+        return self._s["items"]
+
+    # --- feeding ---------------------------------------------------------------
+
+    def feed(self, text: str) -> list[tuple[str, dict]]:
+        s = self._s
+        s["buf"] += text
+        events: list[tuple[str, dict]] = []
+        while True:
+            mode, buf = s["mode"], s["buf"]
+            if mode == "text":
+                markers = self._text_markers()
+                found = [(buf.find(m), m) for m in markers if m in buf]
+                if found:
+                    index, marker = min(found)
+                    events += self._text(buf[:index])
+                    events += self._close_open()
+                    s["buf"] = buf[index + len(marker) :]
+                    if marker == THINK_OPEN:
+                        s["mode"] = "think"
+                        events += self._open("reasoning")
+                    else:
+                        s["mode"] = "tool"
+                    continue
+                keep = _held_back(buf, markers)
+                events += self._text(buf[: len(buf) - keep])
+                s["buf"] = buf[len(buf) - keep :]
+                return events
+            if mode == "think":
+                index = buf.find(THINK_CLOSE)
+                if index >= 0:
+                    events += self._reasoning(buf[:index])
+                    events += self._close_open()
+                    s["buf"] = buf[index + len(THINK_CLOSE) :].lstrip()
+                    s["mode"] = "text"
+                    continue
+                keep = _held_back(buf, (THINK_CLOSE,))
+                events += self._reasoning(buf[: len(buf) - keep])
+                s["buf"] = buf[len(buf) - keep :]
+                return events
+            # mode == "tool": a call is emitted whole once its closing tag arrives
+            index = buf.find(TOOL_CLOSE)
+            if index < 0:
+                return events
+            events += self._tool_call(buf[:index])
+            s["buf"] = buf[index + len(TOOL_CLOSE) :]
+            s["mode"] = "text"
+
+    def finish(self) -> list[tuple[str, dict]]:
+        """End of generation: settle held-back text and close every item.
+
+        A completed response always has at least one item: a model that says
+        nothing at all answers with an empty message.
+        """
+        events = self.close()
+        if not self.items:
+            events += self._open("message")
+            events += self._close_open()
+        return events
+
+    def close(self) -> list[tuple[str, dict]]:
+        """Close what is open, keeping any text held back (cancel, failure, limit)."""
+        s = self._s
+        buf, s["buf"] = s["buf"], ""
+        mode, s["mode"] = s["mode"], "text"
+        if mode == "think":
+            events = self._reasoning(buf)
+        elif mode == "tool":
+            events = self._close_open() + self._tool_call(buf)
+        else:
+            events = self._text(buf)
+        return events + self._close_open()
+
+    # --- items -------------------------------------------------------------------
+
+    def _text_markers(self) -> tuple[str, ...]:
+        markers = ()
+        if self._s["tools"]:
+            markers += (TOOL_OPEN,)
+        if self._s["reasoning"] and not self.items:
+            markers += (THINK_OPEN,)
+        return markers
+
+    def _open(self, kind: str) -> list[tuple[str, dict]]:
+        if kind == "message":
+            item = protocol.message_item(new_id("msg"), "")
+            announced = protocol.message_item(item["id"], None)
+        else:
+            item = protocol.reasoning_item(new_id("rs"), "")
+            announced = protocol.reasoning_item(item["id"], None)
+        self.items.append(item)
+        self._s["open"] = len(self.items) - 1
+        return [protocol.item_added_event(self.response_id, self._s["open"], announced)]
+
+    def _close_open(self) -> list[tuple[str, dict]]:
+        index = self._s["open"]
+        if index is None:
+            return []
+        self._s["open"] = None
+        return [protocol.item_done_event(self.response_id, index, self.items[index])]
+
+    def _text(self, text: str) -> list[tuple[str, dict]]:
+        if not text:
+            return []
+        events = []
+        if self._s["open"] is None:
+            text = text.lstrip() if not self.items else text.lstrip("\n")
+            if not text:
+                return []
+            events += self._open("message")
+        item = self.items[self._s["open"]]
+        item["content"][0]["text"] += text
+        events.append(protocol.text_delta_event(self.response_id, item["id"], text))
+        return events
+
+    def _reasoning(self, text: str) -> list[tuple[str, dict]]:
+        if not text:
+            return []
+        item = self.items[self._s["open"]]
+        if not item["summary"][0]["text"]:
+            text = text.lstrip()
+        item["summary"][0]["text"] += text
+        return [protocol.reasoning_delta_event(self.response_id, item["id"], text)] if text else []
+
+    def _tool_call(self, body: str) -> list[tuple[str, dict]]:
+        try:
+            call = json.loads(body)
+            name = call["name"]
+            arguments = call.get("arguments", {})
+            if not isinstance(name, str):
+                raise TypeError("name")
+        except (ValueError, KeyError, TypeError):
+            # Not a call after all: keep what the model wrote as text.
+            return self._text(TOOL_OPEN + body)
+        if not isinstance(arguments, str):
+            arguments = protocol.dumps(arguments)
+        item = protocol.function_call_item(new_id("fc"), new_id("call"), name, arguments)
+        self.items.append(item)
+        index = len(self.items) - 1
+        announced = {**item, "arguments": ""}
+        return [
+            protocol.item_added_event(self.response_id, index, announced),
+            protocol.arguments_delta_event(self.response_id, item["id"], arguments),
+            protocol.item_done_event(self.response_id, index, item),
+        ]

@@ -1,0 +1,168 @@
+"""Running one task: the plain function behind the Celery job.
+
+The run claims the task, restores where an earlier attempt stopped (its
+checkpoint), generates, and writes events in batches: one transaction per
+flush, at most every ``LMSP_FLUSH_INTERVAL_SECONDS``. Each flush also renews
+the lease and reads the cancel flag, so a cancel or a lost lease stops
+generation at the next decoding step after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+from django.conf import settings
+
+from responses_app import protocol
+from responses_app.errors import problem
+from tasks_app import lifecycle
+from tasks_app.models import Task, TaskStatus
+
+from . import constraints, engine
+from .loading import load_model
+from .output import OutputAssembler
+from .registry import declared_models
+
+log = logging.getLogger(__name__)
+
+
+def worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def run_task(task_id: str, worker: str | None = None) -> str | None:
+    """Generate a queued task to its end; returns its final status, or None when
+    there was nothing to do (not queued any more) or the task was handed on."""
+    task = lifecycle.claim(task_id, worker or worker_name())
+    if task is None:
+        return None
+    run = GenerationRun(task)
+    try:
+        return run.run()
+    except Exception as exc:
+        log.exception("Generation of %s failed", task_id)
+        return run.fail(
+            problem("generation_failed", f"Generation failed: {exc.__class__.__name__}.")
+        )
+
+
+class GenerationRun:
+    def __init__(self, task: Task) -> None:
+        self.task_id = task.id
+        self.attempt = task.attempt
+        self.response = task.response
+        self.params = self.response.params
+        self.spec = declared_models()[task.model]
+        checkpoint = task.checkpoint or {}
+        self.token_ids: list[int] = list(checkpoint.get("token_ids", []))
+        self.assembler = OutputAssembler(
+            self.response.id,
+            checkpoint.get("assembler"),
+            parse_tools=bool(self.params.get("tools")) and self.params.get("tool_choice") != "none",
+            parse_reasoning=self.spec.has("reasoning"),
+        )
+        self.offsets = checkpoint.get("detokenizer", {})
+        self.pending: list[tuple[str, dict]] = []
+        self.last_flush = 0.0
+        self.stop: str | None = None  # "cancelled" or "lost"
+        self.ended_by_model = False
+
+    def run(self) -> str | None:
+        lm = load_model(self.spec)
+        detok = engine.IncrementalDetokenizer(lm.tokenizer, **self.offsets)
+        eos = lm.eos_token_ids
+        max_tokens = self.params["max_output_tokens"]
+
+        def on_token(token_id: int) -> bool:
+            if token_id in eos:
+                self.ended_by_model = True
+                return True
+            self.token_ids.append(token_id)
+            self.pending += self.assembler.feed(detok.step(self.token_ids))
+            if time.monotonic() - self.last_flush >= settings.LMSP_FLUSH_INTERVAL_SECONDS:
+                self._flush(detok)
+            if len(self.token_ids) >= max_tokens:
+                return True
+            return self.stop is not None
+
+        self._flush(detok)  # renews the lease, and notices a cancel before starting
+        remaining = max_tokens - len(self.token_ids)
+        if self.stop is None and remaining > 0:
+            prompt_ids = lm.tokenizer(self.response.prompt, add_special_tokens=False)["input_ids"]
+            engine.generate(
+                lm,
+                prompt_ids + self.token_ids,
+                engine.Sampling(max_new_tokens=remaining, temperature=self.params["temperature"]),
+                on_token,
+                constraints.logits_processors(lm, self.params, self.token_ids),
+            )
+            self.ended_by_model = self.ended_by_model or constraints.ended(lm, self.token_ids)
+        if self.stop == "lost":
+            log.warning("Task %s attempt %s was handed on; stopping", self.task_id, self.attempt)
+            return None
+        self.pending += self.assembler.feed(detok.rest(self.token_ids))
+        return self._finish()
+
+    def _checkpoint(self, detok: engine.IncrementalDetokenizer) -> dict:
+        return {
+            "token_ids": self.token_ids,
+            "detokenizer": detok.offsets(),
+            "assembler": self.assembler.state(),
+        }
+
+    def _flush(self, detok: engine.IncrementalDetokenizer) -> None:
+        progress = lifecycle.record_progress(
+            self.task_id, self.attempt, self.pending, self._checkpoint(detok)
+        )
+        self.pending = []
+        self.last_flush = time.monotonic()
+        if not progress.owned:
+            self.stop = "lost"
+        elif progress.cancel_requested:
+            self.stop = "cancelled"
+
+    def _usage(self) -> dict:
+        generated = len(self.token_ids) + (1 if self.ended_by_model else 0)
+        return protocol.usage(self.response.input_tokens, generated)
+
+    def _finish(self) -> str | None:
+        rid, usage = self.response.id, self._usage()
+        incomplete = None
+        if self.stop == "cancelled":
+            status = TaskStatus.CANCELLED
+            events = self.assembler.close() + [protocol.cancelled_event(rid, usage)]
+        elif self.ended_by_model:
+            status = TaskStatus.COMPLETED
+            events = self.assembler.finish() + [protocol.completed_event(rid, usage)]
+        else:
+            status = TaskStatus.INCOMPLETE
+            incomplete = {"reason": "max_output_tokens"}
+            events = self.assembler.close() + [
+                protocol.incomplete_event(rid, incomplete["reason"], usage)
+            ]
+        outcome = lifecycle.Outcome(
+            status=status,
+            output=self.assembler.items,
+            output_tokens=usage["output_tokens"],
+            incomplete_details=incomplete,
+        )
+        return (
+            status
+            if lifecycle.finish(self.task_id, self.attempt, self.pending + events, outcome)
+            else None
+        )
+
+    def fail(self, error: dict) -> str | None:
+        events = self.pending + self.assembler.close()
+        events.append(protocol.failed_event(self.response.id, error))
+        outcome = lifecycle.Outcome(
+            status=TaskStatus.FAILED,
+            output=self.assembler.items,
+            output_tokens=len(self.token_ids),
+            error=error,
+        )
+        ok = lifecycle.finish(self.task_id, self.attempt, events, outcome)
+        return TaskStatus.FAILED if ok else None
