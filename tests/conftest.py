@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from django.conf import settings
+from django.db import connections
+
+from accounts_app.models import SCOPES
+from accounts_app.services import create_token
+
+from .stack import STACK_SETTINGS, Stack
+
+ALL_SCOPES = list(SCOPES)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stack_timings() -> None:
+    """The test process runs sweeps and prunes itself: same timings as the stack."""
+    for name, value in STACK_SETTINGS.items():
+        setattr(settings, name, float(value))
+
+
+@pytest.fixture(scope="session")
+def stack(django_db_setup, django_db_blocker) -> Iterator[Stack]:  # noqa: ANN001
+    """Web, model worker and ops worker on the test database (started once)."""
+    with django_db_blocker.unblock():
+        db = connections["default"].settings_dict
+    running = Stack(db, settings.REDIS_URL)
+    running.start()
+    yield running
+    running.stop()
+
+
+def make_token(username: str = "alice", scopes: list[str] | None = None) -> str:
+    return create_token(username=username, scopes=scopes or ALL_SCOPES).secret
+
+
+@pytest.fixture
+def token(transactional_db) -> str:  # noqa: ANN001
+    return make_token()
+
+
+@pytest.fixture
+def api(stack: Stack, token: str):  # noqa: ANN201
+    with stack.client(token) as client:
+        yield client
+
+
+def user_message(text: str) -> dict:
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+def request_body(text: str = "Say hello in one short sentence.", **extra: object) -> dict:
+    body = {
+        "model": "smollm2:135m",
+        "input": [user_message(text)],
+        "max_output_tokens": 16,
+        "temperature": 0,
+    }
+    body.update(extra)
+    return body
+
+
+def parse_sse(raw: str) -> list[dict]:
+    """Events of an SSE body: dicts with id, event, data (parsed) and comments seen."""
+    events = []
+    for block in raw.split("\n\n"):
+        if not block.strip():
+            continue
+        fields: dict = {}
+        for line in block.split("\n"):
+            if line.startswith(":"):
+                fields.setdefault("comments", []).append(line)
+                continue
+            name, _, value = line.partition(": ")
+            fields[name] = value
+        if "data" in fields:
+            fields["data"] = json.loads(fields["data"])
+            fields["id"] = int(fields["id"])
+        events.append(fields)
+    return [e for e in events if "event" in e]
+
+
+def deltas_text(events: list[dict], item_id: str | None = None) -> str:
+    return "".join(
+        e["data"]["delta"]
+        for e in events
+        if e["event"] == "response.output_text.delta"
+        and (item_id is None or e["data"]["item_id"] == item_id)
+    )

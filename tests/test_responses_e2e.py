@@ -1,0 +1,113 @@
+"""POST /responses end to end: web process, Celery worker, SmolLM2, PostgreSQL, Redis."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from responses_app.models import Response
+from workers.loading import load_tokenizer
+from workers.registry import get_model
+
+from .conftest import deltas_text, parse_sse, request_body
+
+pytestmark = pytest.mark.e2e
+
+
+def test_synchronous_response_is_completed_text_with_consistent_usage(api):
+    answer = api.post("/lmsp/v1/responses", json=request_body(max_output_tokens=60, store=True))
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["LMSP-Version"] == "1.0"
+    body = answer.json()
+    assert body["object"] == "response"
+    assert body["id"].startswith("resp_") and len(body["id"]) == 31
+    assert body["status"] == "completed"
+    assert body["error"] is None and body["incomplete_details"] is None
+    [message] = body["output"]
+    assert message["type"] == "message" and message["role"] == "assistant"
+    assert message["id"].startswith("msg_")
+    text = message["content"][0]["text"]
+    assert message["content"][0]["type"] == "output_text" and text.strip()
+    usage = body["usage"]
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    stored = Response.objects.get(id=body["id"])
+    tokenizer = load_tokenizer(get_model("smollm2:135m"))
+    assert usage["input_tokens"] == len(tokenizer(stored.prompt, add_special_tokens=False)["input_ids"])
+    # the answer's own tokens, plus the end-of-turn token that ended it
+    assert usage["output_tokens"] == len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 1
+
+
+def test_token_limit_makes_the_response_incomplete(api):
+    body = api.post(
+        "/lmsp/v1/responses",
+        json=request_body("Write a long story about a dragon.", max_output_tokens=5),
+    ).json()
+    assert body["status"] == "incomplete"
+    assert body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert body["usage"]["output_tokens"] == 5
+    assert body["output"][0]["content"][0]["text"]
+
+
+def test_stream_has_contiguous_ids_and_deltas_that_make_the_text(api):
+    with api.stream(
+        "POST", "/lmsp/v1/responses", json=request_body(stream=True, max_output_tokens=24)
+    ) as answer:
+        assert answer.status_code == 200
+        assert answer.headers["content-type"].startswith("text/event-stream")
+        assert answer.headers["cache-control"] == "no-cache"
+        raw = "".join(answer.iter_text())  # returns only once the server closes
+    events = parse_sse(raw)
+    assert [e["id"] for e in events] == list(range(1, len(events) + 1))
+    assert events[0]["event"] == "response.created"
+    assert events[0]["data"]["status"] == "in_progress"
+    assert events[1]["event"] == "response.output_item.added"
+    final = events[-1]
+    assert final["event"] in ("response.completed", "response.incomplete")
+    assert sum(e["event"] in ("response.completed", "response.incomplete") for e in events) == 1
+    done = [e for e in events if e["event"] == "response.output_item.done"]
+    assert len(done) == 1
+    item = done[0]["data"]["item"]
+    assert done[0]["data"]["output_index"] == events[1]["data"]["output_index"] == 0
+    assert deltas_text(events, item["id"]) == item["content"][0]["text"]
+    usage = final["data"]["usage"]
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    response_ids = {e["data"]["response_id"] for e in events}
+    assert len(response_ids) == 1
+
+
+def test_dropped_stream_cancels_within_a_second_and_frees_the_worker(api):
+    request = request_body("Write a very long story about the sea.", stream=True, store=True)
+    request["max_output_tokens"] = 2000
+    request["temperature"] = 0.8
+    with api.stream("POST", "/lmsp/v1/responses", json=request) as answer:
+        seen = []
+        for line in answer.iter_lines():
+            if line.startswith("data: ") and '"delta"' in line:
+                seen.append(line)
+            if line.startswith("data: ") and "response_id" in line and not seen:
+                response_id = line.split('"response_id":"')[1].split('"')[0]
+            if len(seen) >= 3:
+                break
+    dropped_at = time.monotonic()
+    while time.monotonic() - dropped_at < 5:
+        status = Response.objects.get(id=response_id).status
+        if status != "in_progress":
+            break
+        time.sleep(0.05)
+    elapsed = time.monotonic() - dropped_at
+    assert status == "cancelled"
+    assert elapsed < 1.0, f"cancelled after {elapsed:.2f}s"
+    stored = Response.objects.get(id=response_id)
+    assert stored.output[0]["content"][0]["text"]  # the partial text is kept
+    started = time.monotonic()
+    follow_up = api.post("/lmsp/v1/responses", json=request_body(max_output_tokens=4))
+    assert follow_up.status_code == 200 and follow_up.json()["status"] in ("completed", "incomplete")
+    assert time.monotonic() - started < 20
+
+
+def test_store_false_leaves_nothing_behind(api):
+    body = api.post("/lmsp/v1/responses", json=request_body(max_output_tokens=4)).json()
+    assert body["status"] in ("completed", "incomplete")
+    assert not Response.objects.filter(id=body["id"]).exists()
+    assert api.get(f"/lmsp/v1/responses/{body['id']}").status_code == 404
