@@ -1,5 +1,6 @@
 from django.contrib import admin
-from django.urls import path, re_path
+from django.contrib.staticfiles.views import serve as serve_static
+from django.urls import include, path, re_path
 
 from responses_app import views as responses
 from responses_app.errors import ProblemError
@@ -14,7 +15,12 @@ def api_not_found(request, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, AN
 
 api = "lmsp/v1/"
 urlpatterns = [
+    path("admin/lmsp/", include("workers.admin_views")),
     path("admin/", admin.site.urls),
+    # The admin's CSS and scripts, from the installed apps, without a separate
+    # file server or collectstatic step: the only static files are the admin's,
+    # for a handful of staff users.
+    re_path(r"^static/(?P<path>.*)$", serve_static, {"insecure": True}),
     path(f"{api}models", responses.ModelListView.as_view()),
     path(f"{api}models/<path:model_id>", responses.ModelDetailView.as_view()),
     path(f"{api}responses", responses.create_response),

@@ -219,3 +219,41 @@ def sweep() -> SweepReport:
         send_job(task.id, declared_models()[task.model].queue)
         report.resent.append(task.id)
     return report
+
+
+@transaction.atomic
+def requeue_failed(task_id: str) -> Task:
+    """Run a failed task again (an operator's decision, from the admin).
+
+    The attempt number is kept, so a worker of an earlier attempt still cannot
+    write, and the log goes on after its ``response.failed`` with a fresh
+    ``response.created``: ids never repeat, and a reader sees a new run start.
+    """
+    from workers.registry import declared_models
+
+    task = Task.objects.select_for_update().select_related("response").get(id=task_id)
+    if task.status != TaskStatus.FAILED:
+        raise ProblemError(
+            "invalid_request",
+            f"Task {task.id} is {task.status}; only a failed task can be re-queued.",
+        )
+    EventLog.append(task, [protocol.created_event(task.response_id)])
+    task.status = TaskStatus.QUEUED
+    task.error = None
+    task.completed_at = None
+    task.worker = ""
+    task.lease_expires_at = None
+    task.cancel_requested = False
+    task.checkpoint = None
+    task.enqueued_at = timezone.now()
+    task.save()
+    Response.objects.filter(id=task.response_id).update(
+        status=TaskStatus.IN_PROGRESS,  # the response's status names are the task's
+        output=[],
+        output_tokens=0,
+        error=None,
+        incomplete_details=None,
+        completed_at=None,
+    )
+    enqueue_on_commit(task, declared_models()[task.model].queue)
+    return task

@@ -1,11 +1,11 @@
 """Celery jobs: short shells around plain functions tested without Celery."""
 
 from celery import shared_task
-from celery.signals import worker_process_init
+from celery.signals import worker_process_init, worker_ready, worker_shutdown
 
 from tasks_app import lifecycle, retention
 
-from . import runner
+from . import heartbeat, runner
 
 
 @shared_task(name="workers.tasks.run_task")
@@ -33,3 +33,26 @@ def preload_models(**_: object) -> None:
 
     for spec in served_models():
         load_model(spec)
+
+
+_heartbeat: heartbeat.Heartbeat | None = None
+
+
+@worker_ready.connect
+def start_heartbeat(sender: object, **_: object) -> None:
+    """Tell the admin which models this worker serves: those whose queue it
+    consumes (the ops worker consumes none and beats for nothing)."""
+    from .registry import declared_models
+
+    global _heartbeat
+    queues = set(sender.app.amqp.queues.consume_from)
+    served = [spec.id for spec in declared_models().values() if spec.queue in queues]
+    if served:
+        _heartbeat = heartbeat.Heartbeat(served, sender.hostname)
+        _heartbeat.start()
+
+
+@worker_shutdown.connect
+def stop_heartbeat(**_: object) -> None:
+    if _heartbeat is not None:
+        _heartbeat.stop()

@@ -1,0 +1,57 @@
+from django.contrib import admin
+from django.http import HttpRequest, HttpResponse
+
+from . import transcript
+from .models import Response
+
+
+@admin.register(Response)
+class ResponseAdmin(admin.ModelAdmin):
+    """Read-only: a stored response is exactly what the protocol returned."""
+
+    list_display = (
+        "id", "owner", "model", "status", "input_tokens", "output_tokens", "store", "created_at",
+    )
+    list_filter = ("status", "model", "owner", "store", "created_at")
+    list_select_related = ("owner",)
+    # JSONField's icontains compares against the JSON text, so this finds words
+    # anywhere in the messages, tool arguments and tool results.
+    search_fields = ("=id", "input", "output")
+    search_help_text = "An exact response id, or text the input or output contains."
+    date_hierarchy = "created_at"
+    readonly_fields = (
+        "id", "owner", "model", "status", "store", "previous_response", "input_tokens",
+        "output_tokens", "error", "incomplete_details", "params", "created_at", "completed_at",
+        "prompt",
+    )
+    fieldsets = (
+        (None, {"fields": ("id", "owner", "model", "status", "store", "previous_response")}),
+        ("Usage", {"fields": ("input_tokens", "output_tokens", "created_at", "completed_at")}),
+        ("Outcome", {"fields": ("error", "incomplete_details")}),
+        ("Request", {"fields": ("params", "prompt"), "classes": ("collapse",)}),
+    )
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Response | None = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Response | None = None) -> bool:
+        return False
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict | None = None,
+    ) -> HttpResponse:
+        response = self.get_object(request, object_id)
+        if response is not None:
+            extra_context = {
+                **(extra_context or {}),
+                "turns": transcript.conversation(response),
+                "timeline": transcript.timeline(response),
+            }
+        return super().change_view(request, object_id, form_url, extra_context)

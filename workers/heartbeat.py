@@ -1,0 +1,109 @@
+"""Which workers serve which model, as the admin's model page shows it.
+
+A model worker writes one Redis key per model it serves, every
+``INTERVAL_SECONDS``, with a time to live of a few intervals: a worker that
+dies stops renewing its keys and drops out of the listing on its own, with
+no shutdown hook needed (a clean shutdown removes them at once anyway).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import redis
+from django.conf import settings
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "lmsp:heartbeat:"
+INTERVAL_SECONDS = 5.0
+# Long enough to ride out one slow write, short enough that a dead worker
+# disappears from the model page within a quarter of a minute.
+TTL_SECONDS = 15
+
+
+@dataclass(frozen=True)
+class Beat:
+    model: str
+    worker: str
+    at: float  # Unix time of the last beat
+
+
+@functools.cache
+def _connect(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+
+
+def _client() -> redis.Redis:
+    return _connect(settings.REDIS_URL)
+
+
+def _key(model_id: str, worker: str) -> str:
+    return f"{KEY_PREFIX}{worker}|{model_id}"
+
+
+def beat(model_ids: Iterable[str], worker: str) -> None:
+    """Say once that ``worker`` serves these models, for the next ``TTL_SECONDS``."""
+    now = time.time()
+    pipe = _client().pipeline(transaction=False)
+    for model_id in model_ids:
+        value = json.dumps({"model": model_id, "worker": worker, "at": now})
+        pipe.set(_key(model_id, worker), value, ex=TTL_SECONDS)
+    pipe.execute()
+
+
+def forget(model_ids: Iterable[str], worker: str) -> None:
+    keys = [_key(model_id, worker) for model_id in model_ids]
+    if keys:
+        _client().delete(*keys)
+
+
+def serving_workers() -> dict[str, list[Beat]]:
+    """Live beats by model id. Raises ``redis.RedisError`` when Redis is down,
+    so that the caller can say "unknown" rather than "not served"."""
+    client = _client()
+    keys = list(client.scan_iter(match=f"{KEY_PREFIX}*", count=500))
+    served: dict[str, list[Beat]] = defaultdict(list)
+    for raw in client.mget(keys) if keys else []:
+        if raw is None:  # expired between SCAN and MGET
+            continue
+        data = json.loads(raw)
+        served[data["model"]].append(Beat(data["model"], data["worker"], data["at"]))
+    return dict(served)
+
+
+class Heartbeat:
+    """A daemon thread beating for one worker until ``stop``."""
+
+    def __init__(self, model_ids: list[str], worker: str) -> None:
+        self.model_ids = model_ids
+        self.worker = worker
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lmsp-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=INTERVAL_SECONDS)
+        try:
+            forget(self.model_ids, self.worker)
+        except redis.RedisError as exc:
+            log.warning("Could not remove heartbeat keys (they expire anyway): %s", exc)
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                beat(self.model_ids, self.worker)
+            except redis.RedisError as exc:
+                # A broker outage must not kill the thread: beating resumes with Redis.
+                log.warning("Heartbeat of %s failed: %s", self.worker, exc)
+            self._stopped.wait(INTERVAL_SECONDS)
