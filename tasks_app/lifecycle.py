@@ -177,7 +177,7 @@ def request_cancel(task_id: str) -> Task:
 @dataclass
 class SweepReport:
     requeued: list[str] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)
+    ended: list[str] = field(default_factory=list)  # failed (worker_lost) or cancelled
     resent: list[str] = field(default_factory=list)
 
 
@@ -195,14 +195,14 @@ def sweep() -> SweepReport:
                 continue
             if task.cancel_requested:
                 _finalize(task, *_partial_outcome(task, TaskStatus.CANCELLED))
-                report.failed.append(task.id)
+                report.ended.append(task.id)
             elif task.attempt >= settings.LMSP_MAX_ATTEMPTS:
                 error = problem(
                     "worker_lost",
                     f"The worker running this task was lost {task.attempt} times; giving up.",
                 )
                 _finalize(task, *_partial_outcome(task, TaskStatus.FAILED, error))
-                report.failed.append(task.id)
+                report.ended.append(task.id)
             else:
                 log.warning("Lease of %s (attempt %s) expired; re-queueing", task.id, task.attempt)
                 task.status = TaskStatus.QUEUED

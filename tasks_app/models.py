@@ -98,3 +98,27 @@ class Event(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task_id}#{self.seq} {self.type}"
+
+
+class IdempotencyKey(models.Model):
+    """An ``Idempotency-Key`` an owner sent, and the task its request started.
+
+    ``task`` is empty while the first request is still being accepted; a
+    retry in that window is told 409, and one with another body 422.
+    """
+
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="idempotency_keys"
+    )
+    key = models.CharField(max_length=255)
+    fingerprint = models.CharField(max_length=64)
+    task = models.ForeignKey(Task, null=True, blank=True, on_delete=models.CASCADE)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["owner", "key"], name="idempotency_owner_key")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.owner_id}:{self.key}"

@@ -26,15 +26,15 @@ CHANNEL = "lmsp:events"
 
 
 @functools.cache
-def _client() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
+def _client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
 
 
 def publish(task_id: str, events: Iterable[tuple[int, str, str]]) -> None:
     """Announce committed events; a Redis outage is logged, never raised."""
     message = json.dumps({"task": task_id, "events": list(events)})
     try:
-        _client().publish(CHANNEL, message)
+        _client(settings.REDIS_URL).publish(CHANNEL, message)
     except redis.RedisError as exc:
         log.warning("Could not publish events of %s: %s", task_id, exc)
 

@@ -11,6 +11,7 @@ from django.utils import timezone
 
 from responses_app.models import Response
 
+from .idempotency import forget_expired
 from .models import FINAL_STATUSES, Event, Task, TaskKind
 
 
@@ -34,6 +35,8 @@ def prune_events(older_than: float | None = None) -> int:
             task.pruned_through = task.last_event_id
             task.save(update_fields=["pruned_through"])
     prune_tasks()
+    discard_abandoned()
+    forget_expired()
     return removed
 
 
@@ -48,3 +51,15 @@ def prune_tasks() -> int:
     unstored.delete()  # cascades to their tasks
     expired.delete()
     return count
+
+
+def discard_abandoned() -> int:
+    """Direct ``store: false`` responses whose client left before delivery
+    (a minute after they ended, so an answer being sent is never pulled away)."""
+    return Response.objects.filter(
+        task__kind=TaskKind.DIRECT,
+        task__status__in=FINAL_STATUSES,
+        task__completed_at__lt=timezone.now() - timedelta(seconds=60),
+        task__idempotencykey__isnull=True,
+        store=False,
+    ).delete()[0]

@@ -72,4 +72,10 @@ def cancel_abandoned(task_id: str) -> None:
 
 def discard_unstored(task_id: str) -> None:
     """``store: false``: once delivered, nothing of a direct response is kept."""
-    Response.objects.filter(task__id=task_id, task__kind=TaskKind.DIRECT, store=False).delete()
+    Response.objects.filter(
+        task__id=task_id,
+        task__kind=TaskKind.DIRECT,
+        store=False,
+        # kept for replays of the same Idempotency-Key until the key expires
+        task__idempotencykey__isnull=True,
+    ).delete()

@@ -17,8 +17,8 @@ from responses_app.serializers import (
 )
 from responses_app.services import prepare_generation
 
-from . import selectors, services
-from .models import TaskKind
+from . import idempotency, selectors, services
+from .models import Task, TaskKind
 from .streams import SSE_HEADERS, follow
 
 
@@ -35,6 +35,7 @@ class TaskCollectionView(APIView):
     required_scopes = {"GET": "tasks:read", "POST": "tasks:write"}
 
     def post(self, request: Request) -> DRFResponse:
+        key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
         serializer = TaskRequestSerializer(data=request.data)
         if not serializer.is_valid():
             raise validation_problem(serializer.errors)
@@ -42,7 +43,15 @@ class TaskCollectionView(APIView):
         body.pop("stream", None)  # a task is always followed through its events
         validated = validate_response_request(body, prefix="request")
         prepared = prepare_generation(request.user, validated, param_prefix="request")
-        task = services.start_generation(request.user, prepared, TaskKind.TASK)
+
+        def start() -> Task:
+            return services.start_generation(request.user, prepared, TaskKind.TASK)
+
+        if key is None:
+            task = start()
+        else:
+            print_ = idempotency.fingerprint("tasks", validated)
+            task, _ = idempotency.start_once(request.user, key, print_, start)
         return DRFResponse(
             protocol.task_object(task),
             status=202,

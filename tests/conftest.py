@@ -9,6 +9,8 @@ from django.db import connections
 
 from accounts_app.models import SCOPES
 from accounts_app.services import create_token
+from lmsp_project.celery import app as celery_app
+from lmsp_project.devstack import free_port
 
 from .stack import STACK_SETTINGS, Stack
 
@@ -16,18 +18,23 @@ ALL_SCOPES = list(SCOPES)
 
 
 @pytest.fixture(scope="session", autouse=True)
-def stack_timings() -> None:
-    """The test process runs sweeps and prunes itself: same timings as the stack."""
+def stack_settings() -> int:
+    """The test process runs sweeps and prunes itself: same timings as the stack,
+    and the stack's own Redis (started with the stack), which tests may restart."""
     for name, value in STACK_SETTINGS.items():
         setattr(settings, name, float(value))
+    redis_port = free_port()
+    settings.REDIS_URL = settings.CELERY_BROKER_URL = f"redis://127.0.0.1:{redis_port}/0"
+    celery_app.conf.broker_url = settings.REDIS_URL
+    return redis_port
 
 
 @pytest.fixture(scope="session")
-def stack(django_db_setup, django_db_blocker) -> Iterator[Stack]:  # noqa: ANN001
+def stack(django_db_setup, django_db_blocker, stack_settings: int) -> Iterator[Stack]:  # noqa: ANN001
     """Web, model worker and ops worker on the test database (started once)."""
     with django_db_blocker.unblock():
         db = connections["default"].settings_dict
-    running = Stack(db, settings.REDIS_URL)
+    running = Stack(db, stack_settings)
     running.start()
     yield running
     running.stop()

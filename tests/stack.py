@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 import httpx
 
-from lmsp_project.devstack import free_port
+from lmsp_project.devstack import free_port, start_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 LOGS = ROOT / "test-artifacts" / "logs"
@@ -58,7 +58,11 @@ class Proc:
         log.flush()
         offset = self.log_path.stat().st_size
         self.process = subprocess.Popen(
-            self.argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            self.argv,
+            cwd=ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         deadline = time.monotonic() + timeout
@@ -82,8 +86,13 @@ class Proc:
 
 
 class Stack:
-    def __init__(self, db: dict, redis_url: str) -> None:
+    """The service's processes, with a Redis of their own that tests may restart."""
+
+    def __init__(self, db: dict, redis_port: int) -> None:
         self.port = free_port()
+        self.redis_port = redis_port
+        self.redis: subprocess.Popen | None = None
+        redis_url = f"redis://127.0.0.1:{redis_port}/0"
         self.redis_url = redis_url
         self.env = {
             **os.environ,
@@ -95,17 +104,42 @@ class Stack:
         python = sys.executable
         self.web = Proc(
             "web",
-            [python, "-m", "uvicorn", "lmsp_project.asgi:application", "--host", "127.0.0.1",
-             "--port", str(self.port), "--no-access-log"],
+            [
+                python,
+                "-m",
+                "uvicorn",
+                "lmsp_project.asgi:application",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--no-access-log",
+            ],
             self.env,
             ready="Application startup complete",
         )
         self.worker = Proc("worker", [python, "-m", "workers.serve"], self.env, ready=" ready.")
         self.ops = Proc(
             "ops",
-            [python, "-m", "celery", "-A", "lmsp_project", "worker", "--pool", "solo",
-             "--queues", "lmsp.control", "--hostname", f"ops-{self.port}@%h", "--beat",
-             "--schedule", str(LOGS / f"beat-{self.port}"), "--loglevel", "INFO"],
+            [
+                python,
+                "-m",
+                "celery",
+                "-A",
+                "lmsp_project",
+                "worker",
+                "--pool",
+                "solo",
+                "--queues",
+                "lmsp.control",
+                "--hostname",
+                f"ops-{self.port}@%h",
+                "--beat",
+                "--schedule",
+                str(LOGS / f"beat-{self.port}"),
+                "--loglevel",
+                "INFO",
+            ],
             self.env,
             ready=" ready.",
         )
@@ -115,12 +149,23 @@ class Stack:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        self.start_redis()
         for proc in (self.web, self.worker, self.ops):
             proc.start()
 
     def stop(self) -> None:
         for proc in (self.ops, self.worker, self.web):
             proc.stop()
+        self.stop_redis()
+
+    def start_redis(self) -> None:
+        self.redis = start_redis(LOGS / f"redis-{self.redis_port}", self.redis_port, persist=False)
+
+    def stop_redis(self) -> None:
+        """Kill Redis outright: whatever it held (queued messages) is gone."""
+        if self.redis is not None:
+            self.redis.kill()
+            self.redis.wait(10)
 
     def client(self, token: str, **kwargs: object) -> httpx.Client:
         return httpx.Client(

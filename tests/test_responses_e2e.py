@@ -33,7 +33,9 @@ def test_synchronous_response_is_completed_text_with_consistent_usage(api):
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
     stored = Response.objects.get(id=body["id"])
     tokenizer = load_tokenizer(get_model("smollm2:135m"))
-    assert usage["input_tokens"] == len(tokenizer(stored.prompt, add_special_tokens=False)["input_ids"])
+    assert usage["input_tokens"] == len(
+        tokenizer(stored.prompt, add_special_tokens=False)["input_ids"]
+    )
     # the answer's own tokens, plus the end-of-turn token that ended it
     assert usage["output_tokens"] == len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 1
 
@@ -102,7 +104,10 @@ def test_dropped_stream_cancels_within_a_second_and_frees_the_worker(api):
     assert stored.output[0]["content"][0]["text"]  # the partial text is kept
     started = time.monotonic()
     follow_up = api.post("/lmsp/v1/responses", json=request_body(max_output_tokens=4))
-    assert follow_up.status_code == 200 and follow_up.json()["status"] in ("completed", "incomplete")
+    assert follow_up.status_code == 200 and follow_up.json()["status"] in (
+        "completed",
+        "incomplete",
+    )
     assert time.monotonic() - started < 20
 
 

@@ -16,7 +16,7 @@ def run_task(task_id: str) -> str | None:
 @shared_task(name="workers.tasks.sweep_tasks")
 def sweep_tasks() -> dict:
     report = lifecycle.sweep()
-    return {"requeued": report.requeued, "failed": report.failed, "resent": report.resent}
+    return {"requeued": report.requeued, "ended": report.ended, "resent": report.resent}
 
 
 @shared_task(name="workers.tasks.prune_events")
