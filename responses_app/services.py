@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from django.contrib.auth.base_user import AbstractBaseUser
 
+from workers.constraints import schema_problem
 from workers.loading import load_tokenizer
 from workers.prompts import count_tokens, render_prompt
 from workers.registry import ModelSpec, get_model
@@ -63,6 +64,9 @@ def prepare_generation(
         "tools": request.get("tools") or [],
         "tool_choice": request.get("tool_choice", "auto"),
     }
+    unusable = schema_problem(params)
+    if unusable is not None:
+        raise ProblemError("invalid_request", unusable[1], param=at(unusable[0]))
     context = (conversation_items(previous) if previous else []) + request["input"]
     tokenizer = load_tokenizer(spec)
     prompt = render_prompt(spec, tokenizer, context, params)

@@ -3,6 +3,11 @@
 The web process renders the prompt (it needs the token count to refuse a
 request that does not fit), stores it on the response, and the worker
 tokenizes exactly that text.
+
+Tools reach the model through its chat template when the template knows
+tools; otherwise they are described in a system preamble in the Hermes/Qwen
+style (``<tools>`` ... ``</tools>``, calls in ``<tool_call>`` tags), the
+format the output parser and the grammars in ``constraints`` expect.
 """
 
 from __future__ import annotations
@@ -11,40 +16,162 @@ import json
 
 from .registry import ModelSpec
 
+TOOLS_PREAMBLE = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments \
+within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+TOOL_CHOICE_HINTS = {
+    "auto": "",
+    "required": "Answer with a function call.",
+}
+
+JSON_INSTRUCTION = """Answer with a JSON value only, no other text. \
+It must follow this JSON schema:
+{schema}"""
+
 
 def _text(parts: list[dict]) -> str:
     return "".join(part["text"] for part in parts)
 
 
-def chat_messages(items: list[dict]) -> list[dict]:
+def _arguments(item: dict) -> object:
+    try:
+        return json.loads(item["arguments"])
+    except ValueError:
+        return item["arguments"]
+
+
+def _tool_call_text(item: dict) -> str:
+    call = json.dumps({"name": item["name"], "arguments": _arguments(item)}, ensure_ascii=False)
+    return f"<tool_call>\n{call}\n</tool_call>"
+
+
+def chat_messages(items: list[dict], native_tools: bool = False) -> list[dict]:
     """Chat-template messages for input items, in order.
 
-    A ``function_call`` is what the assistant said (in the model's tool-call
-    format), a ``function_call_output`` comes back as a ``tool`` message, and
-    reasoning items are not shown to the model again.
+    A ``function_call`` is what the assistant said and a
+    ``function_call_output`` is the tool's answer. A template that knows
+    tools gets them as ``tool_calls`` and ``tool`` messages, which it
+    formats itself; for any other template they are written out the way
+    Hermes-style models see them: calls in the assistant's turn, results in
+    ``<tool_response>`` tags in a ``tool`` turn (SmolLM2 answers from the
+    result there; in a ``user`` turn it only echoes it). Consecutive calls
+    (or results) share one turn, as a model that makes parallel calls
+    writes them.
+    Reasoning items are not shown to the model again.
     """
     messages: list[dict] = []
+
+    def last(role: str) -> dict | None:
+        return messages[-1] if messages and messages[-1]["role"] == role else None
+
     for item in items:
         kind = item["type"]
         if kind == "message":
             messages.append({"role": item["role"], "content": _text(item["content"])})
+        elif kind == "function_call" and native_tools:
+            function = {"name": item["name"], "arguments": _arguments(item)}
+            call = {"type": "function", "function": function}
+            turn = last("assistant")
+            if turn is None:
+                turn = {"role": "assistant", "content": ""}
+                messages.append(turn)
+            turn.setdefault("tool_calls", []).append(call)
         elif kind == "function_call":
-            try:
-                arguments = json.loads(item["arguments"])
-            except ValueError:
-                arguments = item["arguments"]
-            call = json.dumps({"name": item["name"], "arguments": arguments}, ensure_ascii=False)
-            messages.append({"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"})
+            turn = last("assistant")
+            if turn is None:
+                messages.append({"role": "assistant", "content": _tool_call_text(item)})
+            else:
+                turn["content"] = f"{turn['content']}\n{_tool_call_text(item)}".lstrip("\n")
+        elif kind == "function_call_output" and native_tools:
+            messages.append({"role": "tool", "content": item["output"]})
         elif kind == "function_call_output":
-            messages.append(
-                {"role": "tool", "content": f"<tool_response>\n{item['output']}\n</tool_response>"}
-            )
+            result = f"<tool_response>\n{item['output']}\n</tool_response>"
+            turn = last("tool")
+            if turn is None:
+                messages.append({"role": "tool", "content": result})
+            else:
+                turn["content"] += "\n" + result
     return messages
 
 
+def _function(tool: dict) -> dict:
+    """A protocol tool in the OpenAI chat shape that chat templates and the
+    Hermes preamble both use."""
+    function = {"name": tool["name"]}
+    if tool.get("description"):
+        function["description"] = tool["description"]
+    function["parameters"] = tool.get("parameters") or {"type": "object", "properties": {}}
+    return {"type": "function", "function": function}
+
+
+def _offered_tools(params: dict) -> list[dict]:
+    """The tools the model is told about: none with ``tool_choice: none`` (it
+    cannot call them), only the named one when one is forced."""
+    tools = params.get("tools") or []
+    choice = params.get("tool_choice", "auto")
+    if choice == "none":
+        return []
+    if isinstance(choice, dict):
+        return [tool for tool in tools if tool["name"] == choice["name"]]
+    return tools
+
+
+def system_instructions(params: dict, native_tools: bool) -> str:
+    """What the system prompt adds for tools and structured output."""
+    parts = []
+    tools = _offered_tools(params)
+    if tools and not native_tools:
+        listed = "\n".join(json.dumps(_function(t), ensure_ascii=False) for t in tools)
+        parts.append(TOOLS_PREAMBLE.format(tools=listed))
+    choice = params.get("tool_choice", "auto")
+    if tools:
+        hint = (
+            f"Answer with a call of the function {choice['name']}."
+            if isinstance(choice, dict)
+            else TOOL_CHOICE_HINTS[choice]
+        )
+        if hint:
+            parts.append(hint)
+    response_format = params.get("response_format") or {"type": "text"}
+    if response_format["type"] == "json_schema":
+        schema = json.dumps(response_format["json_schema"]["schema"], ensure_ascii=False)
+        parts.append(JSON_INSTRUCTION.format(schema=schema))
+    return "\n\n".join(parts)
+
+
+def has_native_tools(tokenizer: object) -> bool:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return isinstance(template, str) and "tools" in template
+
+
 def render_prompt(spec: ModelSpec, tokenizer: object, items: list[dict], params: dict) -> str:
-    messages = chat_messages(items)
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    native_tools = has_native_tools(tokenizer)
+    messages = chat_messages(items, native_tools)
+    extra = system_instructions(params, native_tools)
+    if extra:
+        if messages and messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{extra}"}
+        else:
+            messages.insert(0, {"role": "system", "content": extra})
+    options: dict = {}
+    tools = _offered_tools(params)
+    if native_tools and tools:
+        options["tools"] = [_function(tool) for tool in tools]
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **options
+    )
 
 
 def count_tokens(tokenizer: object, prompt: str) -> int:

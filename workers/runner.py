@@ -69,6 +69,7 @@ class GenerationRun:
         self.last_flush = 0.0
         self.stop: str | None = None  # "cancelled" or "lost"
         self.ended_by_model = False
+        self.ended_by_grammar = False  # complete, but the token limit came before the end token
 
     def run(self) -> str | None:
         lm = load_model(self.spec)
@@ -99,7 +100,9 @@ class GenerationRun:
                 on_token,
                 constraints.logits_processors(lm, self.params, self.token_ids),
             )
-            self.ended_by_model = self.ended_by_model or constraints.ended(lm, self.token_ids)
+        self.ended_by_grammar = not self.ended_by_model and constraints.ended(
+            lm, self.params, self.token_ids
+        )
         if self.stop == "lost":
             log.warning("Task %s attempt %s was handed on; stopping", self.task_id, self.attempt)
             return None
@@ -134,7 +137,7 @@ class GenerationRun:
         if self.stop == "cancelled":
             status = TaskStatus.CANCELLED
             events = self.assembler.close() + [protocol.cancelled_event(rid, usage)]
-        elif self.ended_by_model:
+        elif self.ended_by_model or self.ended_by_grammar:
             status = TaskStatus.COMPLETED
             events = self.assembler.finish() + [protocol.completed_event(rid, usage)]
         else:
