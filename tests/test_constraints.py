@@ -1,0 +1,280 @@
+"""Grammars and prompts with the real SmolLM2 tokenizer and model, in process."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import xgrammar as xgr
+
+from workers import constraints, engine, prompts
+from workers.loading import load_model
+from workers.registry import get_model
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Get the current weather for a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        },
+        "required": ["city", "unit"],
+    },
+}
+TIME = {
+    "type": "function",
+    "name": "get_time",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}},
+}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+}
+
+
+def json_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+
+
+def message(role: str, text: str) -> dict:
+    return {"type": "message", "role": role, "content": [{"type": "input_text", "text": text}]}
+
+
+def call_text(name: str, arguments: dict) -> str:
+    body = json.dumps({"name": name, "arguments": arguments})
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def lm():  # noqa: ANN201
+    return load_model(get_model("smollm2:135m"))
+
+
+def accepts(lm, params: dict, text: str) -> bool:
+    """Whether ``text`` is a whole answer the request's grammar allows."""
+    matcher = xgr.GrammarMatcher(constraints.compiled_grammar(lm, params))
+    return matcher.accept_string(text) and matcher.is_completed()
+
+
+def tokens(lm, text: str) -> list[int]:
+    return lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def generate(lm, params: dict, prompt: list[int], generated: list[int], limit: int) -> list[int]:
+    """Continue ``generated`` (already produced) by up to ``limit`` tokens, as the runner does."""
+    out = list(generated)
+
+    def on_token(token_id: int) -> bool:
+        if token_id in lm.eos_token_ids:
+            return True
+        out.append(token_id)
+        return False
+
+    engine.generate(
+        lm,
+        prompt + out,
+        engine.Sampling(max_new_tokens=limit, temperature=0.7),
+        on_token,
+        constraints.logits_processors(lm, params, out),
+    )
+    return out
+
+
+def prompt_ids(lm, params: dict, text: str) -> list[int]:
+    return tokens(lm, prompts.render_prompt(lm.spec, lm.tokenizer, [message("user", text)], params))
+
+
+# --- which requests get a grammar ----------------------------------------------------
+
+
+def test_plain_text_has_no_grammar(lm):
+    params = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "auto"}
+    assert constraints.grammar_format(params) is None
+    assert constraints.logits_processors(lm, params, []) == []
+    assert constraints.ended(lm, params, tokens(lm, "Hello there.")) is False
+
+
+def test_json_schema_grammar_accepts_valid_and_rejects_invalid(lm):
+    params = {"response_format": json_format(PERSON)}
+    assert accepts(lm, params, '{"name": "Ada", "age": 36}')
+    assert not accepts(lm, params, '{"name": "Ada"}')  # required field missing
+    assert not accepts(lm, params, '{"name": "Ada", "age": "36"}')  # wrong type
+    assert not accepts(lm, params, '{"name": "Ada", "age": -1}')  # below the minimum
+    assert not accepts(lm, params, 'Sure! {"name": "Ada", "age": 36}')  # text around it
+
+
+def test_required_allows_only_a_call_of_a_listed_tool(lm):
+    params = {"tools": [WEATHER, TIME], "tool_choice": "required"}
+    assert accepts(lm, params, call_text("get_weather", {"city": "Oslo", "unit": "celsius"}))
+    assert accepts(lm, params, call_text("get_time", {"zone": "UTC"}))
+    assert not accepts(lm, params, call_text("get_weather", {"city": "Oslo", "unit": "kelvin"}))
+    assert not accepts(lm, params, call_text("get_weather", {"city": "Oslo"}))
+    assert not accepts(lm, params, call_text("launch_rocket", {}))
+    assert not accepts(lm, params, "It is sunny.")
+
+
+def test_named_tool_choice_allows_only_that_tool(lm):
+    params = {"tools": [WEATHER, TIME], "tool_choice": {"type": "function", "name": "get_time"}}
+    assert accepts(lm, params, call_text("get_time", {"zone": "UTC"}))
+    assert not accepts(lm, params, call_text("get_weather", {"city": "Oslo", "unit": "celsius"}))
+
+
+def test_auto_allows_text_and_constrains_a_call_once_started(lm):
+    params = {"tools": [WEATHER], "tool_choice": "auto"}
+    assert accepts(lm, params, "It is probably sunny.")
+    call = call_text("get_weather", {"city": "Oslo", "unit": "celsius"})
+    assert accepts(lm, params, f"Let me look that up.\n{call}")
+    assert not accepts(lm, params, '<tool_call>\n{"name": "get_weather", "arguments": {}}')
+    assert not accepts(lm, params, "<tool_call>\nI changed my mind.")
+
+
+def test_none_never_opens_a_call(lm):
+    params = {"tools": [WEATHER], "tool_choice": "none"}
+    assert accepts(lm, params, "It is probably sunny.")
+    assert not accepts(lm, params, call_text("get_weather", {"city": "Oslo", "unit": "celsius"}))
+
+
+def test_compiled_grammars_are_cached_per_schema(lm):
+    params = {"response_format": json_format(PERSON)}
+    same = {"response_format": json_format(json.loads(json.dumps(PERSON)))}
+    assert constraints.compiled_grammar(lm, params) is constraints.compiled_grammar(lm, same)
+    other = {"response_format": json_format({"type": "array", "items": {"type": "integer"}})}
+    assert constraints.compiled_grammar(lm, other) is not constraints.compiled_grammar(lm, params)
+
+
+# --- the end of a grammar ----------------------------------------------------------
+
+
+def test_ended_once_the_json_is_complete(lm):
+    params = {"response_format": json_format(PERSON)}
+    assert constraints.ended(lm, params, tokens(lm, '{"name": "Ada", "age": 36}'))
+    assert not constraints.ended(lm, params, tokens(lm, '{"name": "Ada", "age": 3'))
+
+
+def test_ended_after_a_required_call_but_not_in_auto_text(lm):
+    call = tokens(lm, call_text("get_weather", {"city": "Oslo", "unit": "celsius"}))
+    assert constraints.ended(lm, {"tools": [WEATHER], "tool_choice": "required"}, call)
+    # in auto mode the model may go on writing after a call
+    assert not constraints.ended(lm, {"tools": [WEATHER], "tool_choice": "auto"}, call)
+
+
+# --- generation and resuming --------------------------------------------------------
+
+
+def test_generated_json_validates(lm):
+    params = {"response_format": json_format(PERSON), "tools": [], "tool_choice": "auto"}
+    ids = prompt_ids(lm, params, "Invent a person.")
+    out = generate(lm, params, ids, [], limit=40)
+    answer = json.loads(lm.tokenizer.decode(out))
+    jsonschema.validate(answer, PERSON)
+    assert constraints.ended(lm, params, out)
+
+
+def test_resumed_generation_advances_the_grammar_through_earlier_tokens(lm):
+    params = {"tools": [WEATHER], "tool_choice": "required"}
+    ids = prompt_ids(lm, params, "What is the weather in Oslo?")
+    first = generate(lm, params, ids, [], limit=12)  # an attempt cut short
+    assert len(first) == 12 and not constraints.ended(lm, params, first)
+    out = generate(lm, params, ids, first, limit=60)
+    assert out[:12] == first
+    text = lm.tokenizer.decode(out)
+    assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
+    call = json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))
+    assert call["name"] == "get_weather"
+    jsonschema.validate(call["arguments"], WEATHER["parameters"])
+
+
+def test_tokens_that_break_the_grammar_are_refused_on_resume(lm):
+    params = {"response_format": json_format(PERSON)}
+    with pytest.raises(ValueError, match="breaks the grammar"):
+        constraints.logits_processors(lm, params, tokens(lm, "Hello"))
+
+
+# --- schemas xgrammar cannot compile -------------------------------------------------
+
+
+def test_schema_problem_names_the_schema_and_the_reason():
+    bad_pattern = {"type": "string", "pattern": "(["}
+    problem = constraints.schema_problem({"response_format": json_format(bad_pattern)})
+    assert problem is not None
+    param, detail = problem
+    assert param == "response_format.json_schema.schema"
+    assert "Regex" in detail and "/project/" not in detail
+    bad_tool = {**TIME, "name": "broken", "parameters": {"type": "frob"}}
+    param, detail = constraints.schema_problem({"tools": [WEATHER, bad_tool]})
+    assert param == "tools[1].parameters" and "frob" in detail
+    assert constraints.schema_problem({"tools": [WEATHER, TIME]}) is None
+
+
+# --- prompts ------------------------------------------------------------------------
+
+
+def test_tools_preamble_is_merged_into_the_system_message(lm):
+    items = [
+        message("system", "Be brief."),
+        message("user", "Hi"),
+    ]
+    params = {"tools": [WEATHER, TIME], "tool_choice": "auto"}
+    assert not prompts.has_native_tools(lm.tokenizer)  # SmolLM2's template knows no tools
+    prompt = prompts.render_prompt(lm.spec, lm.tokenizer, items, params)
+    assert prompt.count("<|im_start|>system") == 1
+    system = prompt.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    assert '"name": "get_weather"' in system and '"name": "get_time"' in system
+    assert "<tool_call>" in system
+
+
+def test_tool_choice_decides_which_tools_the_model_is_shown(lm):
+    user = [message("user", "Hi")]
+    named = {"tools": [WEATHER, TIME], "tool_choice": {"type": "function", "name": "get_time"}}
+    prompt = prompts.render_prompt(lm.spec, lm.tokenizer, user, named)
+    assert '"get_time"' in prompt and '"get_weather"' not in prompt
+    none = {"tools": [WEATHER], "tool_choice": "none"}
+    assert "<tools>" not in prompts.render_prompt(lm.spec, lm.tokenizer, user, none)
+
+
+def test_json_schema_instruction_is_in_the_system_prompt(lm):
+    user = [message("user", "Hi")]
+    prompt = prompts.render_prompt(
+        lm.spec, lm.tokenizer, user, {"response_format": json_format(PERSON)}
+    )
+    assert prompt.startswith("<|im_start|>system\nAnswer with a JSON value only")
+    assert json.dumps(PERSON) in prompt
+
+
+def test_calls_and_results_are_rendered_back_as_hermes_turns():
+    items = [
+        message("user", "Weather?"),
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city":"Oslo","unit":"celsius"}',
+        },
+        {"type": "function_call", "call_id": "call_2", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": '{"temp":3}'},
+        {"type": "function_call_output", "call_id": "call_2", "output": "12:00"},
+    ]
+    user, assistant, tool = prompts.chat_messages(items)
+    assert user == {"role": "user", "content": "Weather?"}
+    assert assistant["role"] == "assistant"
+    assert assistant["content"] == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    )
+    assert tool == {
+        "role": "tool",
+        "content": '<tool_response>\n{"temp":3}\n</tool_response>\n'
+        "<tool_response>\n12:00\n</tool_response>",
+    }
+    native = prompts.chat_messages(items, native_tools=True)
+    assert native[1]["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": {"city": "Oslo", "unit": "celsius"},
+    }
+    assert [m["role"] for m in native] == ["user", "assistant", "tool", "tool"]
