@@ -1,4 +1,5 @@
 from django.contrib import admin
+from django.contrib.admin.utils import unquote
 from django.http import HttpRequest, HttpResponse
 
 from . import transcript
@@ -47,7 +48,7 @@ class ResponseAdmin(admin.ModelAdmin):
         form_url: str = "",
         extra_context: dict | None = None,
     ) -> HttpResponse:
-        response = self.get_object(request, object_id)
+        response = self.get_object(request, unquote(object_id))
         if response is not None:
             extra_context = {
                 **(extra_context or {}),

@@ -9,8 +9,10 @@ from datetime import timedelta
 
 import pytest
 import redis
+from django.contrib.admin.utils import quote
 from django.contrib.auth import get_user_model
 from django.db import transaction
+from django.urls import reverse
 from django.utils import timezone
 
 from accounts_app.models import SCOPES, ApiToken
@@ -27,6 +29,12 @@ from workers import heartbeat
 # Redis for the heartbeat tests: the machine's own (the stack fixtures may point
 # settings at a Redis that only runs while the stack does).
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def change_url(obj) -> str:
+    """The admin's own link to an object: ids like ``resp_...`` are quoted in it."""
+    opts = obj._meta
+    return reverse(f"admin:{opts.app_label}_{opts.model_name}_change", args=[quote(obj.pk)])
 
 
 def message(role: str, text: str) -> dict:
@@ -185,7 +193,7 @@ def test_response_search_by_id_and_by_text(admin_client, conversation):
 
 def test_response_page_shows_the_whole_conversation_in_order(admin_client, conversation):
     first, second = conversation
-    page = admin_client.get(f"/admin/responses_app/response/{second.id}/change/")
+    page = admin_client.get(change_url(second))
     assert page.status_code == 200
     html = page.content.decode()
     chat = html[html.index('id="conversation"'):html.index('id="timeline"')]
@@ -212,21 +220,21 @@ def test_response_page_shows_the_whole_conversation_in_order(admin_client, conve
 
 def test_response_page_shows_error_and_delta_events(admin_client, conversation, alice):
     first, _ = conversation
-    html = admin_client.get(f"/admin/responses_app/response/{first.id}/change/").content.decode()
+    html = admin_client.get(change_url(first)).content.decode()
     assert "response.output_text.delta" in html and "&#x27;Hel&#x27;" in html
     failed = make_response(alice, [message("user", "boom")], status="failed")
-    html = admin_client.get(f"/admin/responses_app/response/{failed.id}/change/").content.decode()
+    html = admin_client.get(change_url(failed)).content.decode()
     assert "worker_lost" in html
 
 
 def test_response_pages_are_read_only(admin_client, conversation):
     first, _ = conversation
-    url = f"/admin/responses_app/response/{first.id}/change/"
+    url = change_url(first)
     html = admin_client.get(url).content.decode()
     assert 'name="_save"' not in html and "deletelink" not in html
     assert admin_client.post(url, {"status": "failed"}).status_code == 403
     assert admin_client.get("/admin/responses_app/response/add/").status_code == 403
-    assert admin_client.get(f"/admin/responses_app/response/{first.id}/delete/").status_code == 403
+    assert admin_client.get(change_url(first).replace("/change/", "/delete/")).status_code == 403
     first.refresh_from_db()
     assert first.status == "completed"
 
@@ -242,7 +250,7 @@ def test_task_list_and_page_show_the_lifecycle(admin_client, conversation):
     for column in ("column-attempt", "column-last_event_id", "column-pruned_through",
                    "column-started_at", "column-completed_at"):
         assert column in html
-    page = admin_client.get(f"/admin/tasks_app/task/{task.id}/change/")
+    page = admin_client.get(change_url(task))
     assert page.status_code == 200
     html = page.content.decode()
     assert "w@host:1" in html and 'name="_save"' not in html
@@ -311,9 +319,9 @@ def test_requeue_action_puts_a_failed_task_back_in_the_queue(
 def test_tasks_cannot_be_added_edited_or_deleted(admin_client, conversation):
     task = conversation[0].task
     assert admin_client.get("/admin/tasks_app/task/add/").status_code == 403
-    url = f"/admin/tasks_app/task/{task.id}/change/"
+    url = change_url(task)
     assert admin_client.post(url, {"status": "queued"}).status_code == 403
-    assert admin_client.get(f"/admin/tasks_app/task/{task.id}/delete/").status_code == 403
+    assert admin_client.get(change_url(task).replace("/change/", "/delete/")).status_code == 403
 
 
 # --- API tokens -------------------------------------------------------------------------------
