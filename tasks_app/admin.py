@@ -33,8 +33,8 @@ def _apply(
 @admin.register(Task)
 class TaskAdmin(admin.ModelAdmin):
     list_display = (
-        "id", "owner", "kind", "model", "status", "attempt", "created_at", "started_at",
-        "completed_at", "last_event_id", "pruned_through", "worker",
+        "id", "owner", "model", "status", "attempt", "created_at", "started_at", "completed_at",
+        "last_event_id", "pruned_through",
     )
     list_filter = ("status", "kind", "model", "owner", "created_at")
     list_select_related = ("owner",)

@@ -154,7 +154,7 @@ def test_response_list_shows_the_columns(admin_client, conversation):
     for response in conversation:
         assert response.id in html
     assert "alice" in html and "smollm2:135m" in html
-    for column in ("column-input_tokens", "column-output_tokens", "column-created_at"):
+    for column in ("column-tokens_in", "column-tokens_out", "column-created_at"):
         assert column in html
 
 

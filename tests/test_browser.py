@@ -106,32 +106,36 @@ def walk_through_admin(page, base: str, first_id: str, second_id: str) -> str:
     expect(page.locator("#timeline")).to_contain_text("response.created")
     shot(page, "04-conversation")
 
+    page.goto(f"{base}/admin/tasks_app/task/")
+    expect(page.locator("#result_list")).to_contain_text("smollm2:135m")
+    shot(page, "05-task-list")
+
     page.goto(f"{base}/admin/accounts_app/apitoken/add/")
     page.select_option("#id_owner", label="alice")
     page.fill("#id_name", "browser-test")
     page.check("input[name=scopes][value='models:read']")
     page.check("input[name=scopes][value='responses:read']")
     page.fill("#id_expires_in_days", "7")
-    shot(page, "05-token-form")
+    shot(page, "06-token-form")
     page.click("input[name=_save]")
     secret_box = page.locator("#issued-secret")
     expect(secret_box).to_be_visible()
     secret = secret_box.input_value()
     assert secret.startswith("lmsp_")
-    shot(page, "06-token-secret")
+    shot(page, "07-token-secret")
 
     page.goto(f"{base}/admin/accounts_app/apitoken/")
     expect(page.locator("#result_list")).to_contain_text("browser-test")
     assert secret not in page.content()
-    shot(page, "07-token-list")
+    shot(page, "08-token-list")
 
     page.goto(f"{base}/admin/lmsp/models/")
     # the model worker's heartbeat says it serves SmolLM2
     expect(page.locator("tr[data-model='smollm2:135m'] td.served")).to_contain_text("models-")
-    shot(page, "08-models")
+    shot(page, "09-models")
 
     page.goto(f"{base}/admin/lmsp/dashboard/")
     expect(page.locator("svg.lmsp-chart")).to_have_count(4)
     expect(page.locator("#requests")).to_contain_text("smollm2:135m")
-    shot(page, "09-dashboard")
+    shot(page, "10-dashboard")
     return secret
