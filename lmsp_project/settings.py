@@ -88,6 +88,9 @@ REST_FRAMEWORK = {
 # --- models -----------------------------------------------------------------
 LMSP_MODELS_FILE = Path(os.environ.get("LMSP_MODELS_FILE", BASE_DIR / "models.toml"))
 LMSP_MODEL_CACHE = Path(os.environ.get("LMSP_MODEL_CACHE", DATA_DIR / "models"))
+# Model queues are named PREFIX.<model>; installations sharing one Redis
+# keep their jobs apart with different prefixes.
+LMSP_QUEUE_PREFIX = os.environ.get("LMSP_QUEUE_PREFIX", "lmsp.model")
 # The models this worker process serves (comma separated ids); empty = all.
 LMSP_WORKER_MODELS = os.environ.get("LMSP_WORKER_MODELS", "")
 

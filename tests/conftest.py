@@ -59,6 +59,10 @@ def user_message(text: str) -> dict:
     return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
 
 
+# Greedy SmolLM2 writes well over 400 tokens for this: it keeps a worker busy.
+LONG_STORY = "Write a long, detailed story about a lighthouse keeper."
+
+
 def request_body(text: str = "Say hello in one short sentence.", **extra: object) -> dict:
     body = {
         "model": "smollm2:135m",

@@ -9,7 +9,7 @@ import pytest
 
 from tasks_app.models import Event, Task
 
-from .conftest import deltas_text, parse_sse, user_message
+from .conftest import LONG_STORY, deltas_text, parse_sse, user_message
 from .test_tasks_e2e import (
     assert_one_contiguous_stream,
     create_task,
@@ -20,7 +20,7 @@ from .test_tasks_e2e import (
 
 pytestmark = pytest.mark.e2e
 
-LONG = [user_message("Write a long, detailed story about a lighthouse keeper.")]
+LONG = [user_message(LONG_STORY)]
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from responses_app.models import Response
 from workers.loading import load_tokenizer
 from workers.registry import get_model
 
-from .conftest import deltas_text, parse_sse, request_body
+from .conftest import LONG_STORY, deltas_text, parse_sse, request_body
 
 pytestmark = pytest.mark.e2e
 
@@ -79,9 +79,7 @@ def test_stream_has_contiguous_ids_and_deltas_that_make_the_text(api):
 
 
 def test_dropped_stream_cancels_within_a_second_and_frees_the_worker(api):
-    request = request_body("Write a very long story about the sea.", stream=True, store=True)
-    request["max_output_tokens"] = 2000
-    request["temperature"] = 0.8
+    request = request_body(LONG_STORY, stream=True, store=True, max_output_tokens=400)
     with api.stream("POST", "/lmsp/v1/responses", json=request) as answer:
         seen = []
         for line in answer.iter_lines():

@@ -14,7 +14,7 @@ from responses_app.serializers import validate_response_request
 from tasks_app.idempotency import fingerprint
 from tasks_app.models import IdempotencyKey, Task
 
-from .conftest import deltas_text, make_token, parse_sse, request_body
+from .conftest import LONG_STORY, deltas_text, make_token, parse_sse, request_body, user_message
 
 pytestmark = pytest.mark.e2e
 
@@ -201,18 +201,7 @@ def test_fifty_live_readers_each_get_every_event_once_in_order(api, stack, token
 
 
 def test_cancel_running_queued_and_final_tasks(api):
-    running = create_task(
-        api,
-        max_output_tokens=400,
-        temperature=0.9,
-        input=[
-            {
-                "type": "message",
-                "role": "user",
-                "content": [{"type": "input_text", "text": "Tell a very long story."}],
-            }
-        ],
-    )
+    running = create_task(api, input=[user_message(LONG_STORY)], max_output_tokens=400)
     queued = create_task(api, max_output_tokens=4)
     wait_for_events(running["id"], 4)
     assert api.get(f"/lmsp/v1/tasks/{queued['id']}").json()["status"] == "queued"

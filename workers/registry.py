@@ -37,7 +37,7 @@ class ModelSpec:
     @property
     def queue(self) -> str:
         """The Celery queue whose workers serve this model."""
-        return f"lmsp.model.{self.slug}"
+        return f"{settings.LMSP_QUEUE_PREFIX}.{self.slug}"
 
     def has(self, capability: str) -> bool:
         return capability in self.capabilities

@@ -1,0 +1,114 @@
+"""The task lifecycle and the runner as plain functions, without Celery:
+real PostgreSQL and the real model, in this process."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.utils import timezone
+
+from responses_app.serializers import validate_response_request
+from responses_app.services import prepare_generation
+from tasks_app import lifecycle
+from tasks_app.event_log import EventLog
+from tasks_app.models import Task, TaskKind, TaskStatus
+from tasks_app.services import start_generation
+from workers.runner import run_task
+
+from .conftest import request_body
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def private_queue(settings) -> None:
+    """Jobs of these tests go to a queue no worker of the test stack serves,
+    so that only the runner called here generates them."""
+    settings.LMSP_QUEUE_PREFIX = "lmsp.test-in-process"
+
+
+def new_task(**extra) -> Task:
+    owner, _ = get_user_model().objects.get_or_create(username="alice")
+    prepared = prepare_generation(owner, validate_response_request(request_body(**extra)))
+    return start_generation(owner, prepared, TaskKind.TASK)
+
+
+def events_of(task: Task) -> list[tuple[int, str, dict]]:
+    return [(e.id, e.event, json.loads(e.data)) for e in EventLog.read_after(task.id, 0)]
+
+
+def test_run_task_writes_one_contiguous_log_and_the_result():
+    task = new_task(max_output_tokens=12)
+    assert run_task(task.id, "test-worker") in ("completed", "incomplete")
+    task.refresh_from_db()
+    response = task.response
+    events = events_of(task)
+    assert [seq for seq, _, _ in events] == list(range(1, task.last_event_id + 1))
+    assert events[0][1] == "response.created" and events[-1][1] == f"response.{task.status}"
+    text = "".join(d["delta"] for _, name, d in events if name == "response.output_text.delta")
+    assert text == response.output[0]["content"][0]["text"]
+    assert response.status == task.status and response.output_tokens > 0
+    assert task.lease_expires_at is None and task.checkpoint is None and task.attempt == 1
+    assert run_task(task.id, "late-redelivery") is None  # a second message is dropped
+
+
+def test_a_worker_whose_attempt_was_superseded_cannot_write():
+    task = new_task()
+    claimed = lifecycle.claim(task.id, "w1")
+    Task.objects.filter(id=task.id).update(attempt=claimed.attempt + 1)  # handed on
+    delta = ("response.output_text.delta", {"delta": "stale"})
+    progress = lifecycle.record_progress(task.id, claimed.attempt, [delta], {})
+    assert progress.owned is False
+    outcome = lifecycle.Outcome(status=TaskStatus.COMPLETED)
+    assert lifecycle.finish(task.id, claimed.attempt, [delta], outcome) is False
+    assert [name for _, name, _ in events_of(task)] == ["response.created"]
+    assert Task.objects.get(id=task.id).status == TaskStatus.IN_PROGRESS
+
+
+def test_cancel_flag_stops_the_run_at_its_first_step():
+    task = new_task(max_output_tokens=50)
+    Task.objects.filter(id=task.id).update(cancel_requested=True)  # as if asked mid-claim
+    assert run_task(task.id, "w1") == "cancelled"
+    task.refresh_from_db()
+    assert task.status == TaskStatus.CANCELLED
+    assert events_of(task)[-1][1] == "response.cancelled"
+
+
+def test_expired_leases_are_requeued_until_attempts_run_out(settings):
+    settings.LMSP_MAX_ATTEMPTS = 2
+    task = new_task()
+    for attempt in (1, 2):
+        claimed = lifecycle.claim(task.id, f"w{attempt}")
+        assert claimed.attempt == attempt
+        Task.objects.filter(id=task.id).update(lease_expires_at=timezone.now() - timedelta(1))
+        report = lifecycle.sweep()
+        if attempt == 1:
+            assert report.requeued == [task.id]
+            assert Task.objects.get(id=task.id).status == TaskStatus.QUEUED
+    assert report.ended == [task.id]
+    task.refresh_from_db()
+    assert task.status == TaskStatus.FAILED and task.error["code"] == "worker_lost"
+    assert task.response.status == "failed" and task.response.error == task.error
+    name, data = events_of(task)[-1][1:]
+    assert name == "response.failed" and data["error"]["code"] == "worker_lost"
+
+
+def test_a_generation_error_fails_the_task_with_a_problem():
+    task = new_task()
+    task.response.params["temperature"] = "hot"  # the engine cannot sample with this
+    task.response.save()
+    assert run_task(task.id, "w1") == "failed"
+    task.refresh_from_db()
+    assert task.error["code"] == "generation_failed" and task.error["status"] == 502
+    assert events_of(task)[-1][1] == "response.failed"
+
+
+def test_lost_broker_messages_are_sent_again(settings):
+    task = new_task()
+    Task.objects.filter(id=task.id).update(enqueued_at=timezone.now() - timedelta(hours=1))
+    assert lifecycle.sweep().resent == [task.id]
+    assert Task.objects.get(id=task.id).enqueued_at > timezone.now() - timedelta(minutes=1)
+    assert lifecycle.sweep().resent == []  # not again until it is stale once more
