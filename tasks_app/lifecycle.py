@@ -107,6 +107,14 @@ def record_progress(
     return Progress(owned=True, cancel_requested=task.cancel_requested)
 
 
+def renew_lease(task_id: str, attempt: int) -> bool:
+    """Extend a running task's lease; False once the task was handed on."""
+    renewed = Task.objects.filter(
+        id=task_id, attempt=attempt, status=TaskStatus.IN_PROGRESS
+    ).update(lease_expires_at=_lease_deadline())
+    return renewed == 1
+
+
 @transaction.atomic
 def finish(task_id: str, attempt: int, events: list[tuple[str, dict]], outcome: Outcome) -> bool:
     """Write a worker's last events and the final result; False if it lost the task."""

@@ -103,7 +103,7 @@ class Stack:
         }
         python = sys.executable
         self.web = Proc(
-            "web",
+            f"web-{self.port}",
             [
                 python,
                 "-m",
@@ -118,9 +118,11 @@ class Stack:
             self.env,
             ready="Application startup complete",
         )
-        self.worker = Proc("worker", [python, "-m", "workers.serve"], self.env, ready=" ready.")
+        self.worker = Proc(
+            f"worker-{self.port}", [python, "-m", "workers.serve"], self.env, ready=" ready."
+        )
         self.ops = Proc(
-            "ops",
+            f"ops-{self.port}",
             [
                 python,
                 "-m",

@@ -62,6 +62,8 @@ def test_a_worker_whose_attempt_was_superseded_cannot_write():
     delta = ("response.output_text.delta", {"delta": "stale"})
     progress = lifecycle.record_progress(task.id, claimed.attempt, [delta], {})
     assert progress.owned is False
+    assert lifecycle.renew_lease(task.id, claimed.attempt) is False
+    assert lifecycle.renew_lease(task.id, claimed.attempt + 1) is True
     outcome = lifecycle.Outcome(status=TaskStatus.COMPLETED)
     assert lifecycle.finish(task.id, claimed.attempt, [delta], outcome) is False
     assert [name for _, name, _ in events_of(task)] == ["response.created"]

@@ -12,9 +12,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from django.conf import settings
+from django.db import connection
 
 from responses_app import protocol
 from responses_app.errors import problem
@@ -89,17 +93,20 @@ class GenerationRun:
                 return True
             return self.stop is not None
 
-        self._flush(detok)  # renews the lease, and notices a cancel before starting
+        self._flush(detok)  # notices a cancel before starting
         remaining = max_tokens - len(self.token_ids)
         if self.stop is None and remaining > 0:
             prompt_ids = lm.tokenizer(self.response.prompt, add_special_tokens=False)["input_ids"]
-            engine.generate(
-                lm,
-                prompt_ids + self.token_ids,
-                engine.Sampling(max_new_tokens=remaining, temperature=self.params["temperature"]),
-                on_token,
-                constraints.logits_processors(lm, self.params, self.token_ids),
-            )
+            with self._lease_kept():
+                engine.generate(
+                    lm,
+                    prompt_ids + self.token_ids,
+                    engine.Sampling(
+                        max_new_tokens=remaining, temperature=self.params["temperature"]
+                    ),
+                    on_token,
+                    constraints.logits_processors(lm, self.params, self.token_ids),
+                )
         self.ended_by_grammar = not self.ended_by_model and constraints.ended(
             lm, self.params, self.token_ids
         )
@@ -108,6 +115,30 @@ class GenerationRun:
             return None
         self.pending += self.assembler.feed(detok.rest(self.token_ids))
         return self._finish()
+
+    @contextmanager
+    def _lease_kept(self) -> Iterator[None]:
+        """Renew the lease from a thread while the model works: a long prompt's
+        first step, or a machine under load, can outlast the lease between two
+        flushes, and only a dead worker should lose its task."""
+        done = threading.Event()
+
+        def keep() -> None:
+            try:
+                while not done.wait(settings.LMSP_LEASE_SECONDS / 3):
+                    if not lifecycle.renew_lease(self.task_id, self.attempt):
+                        self.stop = "lost"
+                        return
+            finally:
+                connection.close()  # this thread's own connection
+
+        keeper = threading.Thread(target=keep, name=f"lease-{self.task_id}", daemon=True)
+        keeper.start()
+        try:
+            yield
+        finally:
+            done.set()
+            keeper.join()
 
     def _checkpoint(self, detok: engine.IncrementalDetokenizer) -> dict:
         return {
