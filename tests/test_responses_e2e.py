@@ -114,3 +114,20 @@ def test_store_false_leaves_nothing_behind(api):
     assert body["status"] in ("completed", "incomplete")
     assert not Response.objects.filter(id=body["id"]).exists()
     assert api.get(f"/lmsp/v1/responses/{body['id']}").status_code == 404
+
+
+def test_queue_waits_are_kept_alive_with_comments(api):
+    """The stack sends ``: keep-alive`` after 1 s of quiet (15 s in production)."""
+    busy = api.post(
+        "/lmsp/v1/tasks",
+        json={"type": "response", "request": request_body(LONG_STORY, max_output_tokens=60)},
+    ).json()
+    with api.stream(
+        "POST", "/lmsp/v1/responses", json=request_body(stream=True, max_output_tokens=4)
+    ) as answer:
+        raw = "".join(answer.iter_text())
+    before_output = raw.split("response.output_item.added")[0]
+    assert ": keep-alive\n\n" in before_output  # sent while queued behind the busy task
+    events = parse_sse(raw)
+    assert [e["id"] for e in events] == list(range(1, len(events) + 1))
+    assert api.get(f"/lmsp/v1/tasks/{busy['id']}").json()["status"] != "queued"
