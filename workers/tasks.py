@@ -1,7 +1,7 @@
 """Celery jobs: short shells around plain functions tested without Celery."""
 
 from celery import shared_task
-from celery.signals import worker_process_init, worker_ready, worker_shutdown
+from celery.signals import worker_ready, worker_shutdown
 
 from tasks_app import lifecycle, retention
 
@@ -24,31 +24,27 @@ def prune_events() -> int:
     return retention.prune_events()
 
 
-@worker_process_init.connect
-def preload_models(**_: object) -> None:
-    """Load this worker's models before the first job (solo pool: in the only
-    process; prefork: in each child, never before the fork)."""
-    from .loading import load_model
-    from .registry import served_models
-
-    for spec in served_models():
-        load_model(spec)
-
-
 _heartbeat: heartbeat.Heartbeat | None = None
 
 
 @worker_ready.connect
-def start_heartbeat(sender: object, **_: object) -> None:
-    """Tell the admin which models this worker serves: those whose queue it
-    consumes (the ops worker consumes none and beats for nothing)."""
-    from .registry import declared_models
+def serve_models(sender: object, **_: object) -> None:
+    """Load the models whose queues this worker consumes before its first job,
+    then tell the admin it serves them (the ops worker consumes none).
+
+    Model workers run the solo pool, so this is the process that generates;
+    with a prefork pool the weights would be loaded before the fork, which
+    CUDA does not survive."""
+    from .loading import load_model
+    from .registry import available_models
 
     global _heartbeat
     queues = set(sender.app.amqp.queues.consume_from)
-    served = [spec.id for spec in declared_models().values() if spec.queue in queues]
+    served = [spec for spec in available_models().values() if spec.queue in queues]
+    for spec in served:
+        load_model(spec)
     if served:
-        _heartbeat = heartbeat.Heartbeat(served, sender.hostname)
+        _heartbeat = heartbeat.Heartbeat([spec.id for spec in served], sender.hostname)
         _heartbeat.start()
 
 
