@@ -128,28 +128,20 @@ def item_added_event(response_id: str, output_index: int, item: dict) -> tuple[s
     }
 
 
+def _delta(event: str, response_id: str, item_id: str, delta: str) -> tuple[str, dict]:
+    return event, {"response_id": response_id, "item_id": item_id, "delta": delta}
+
+
 def text_delta_event(response_id: str, item_id: str, delta: str) -> tuple[str, dict]:
-    return "response.output_text.delta", {
-        "response_id": response_id,
-        "item_id": item_id,
-        "delta": delta,
-    }
+    return _delta("response.output_text.delta", response_id, item_id, delta)
 
 
 def reasoning_delta_event(response_id: str, item_id: str, delta: str) -> tuple[str, dict]:
-    return "response.reasoning_summary_text.delta", {
-        "response_id": response_id,
-        "item_id": item_id,
-        "delta": delta,
-    }
+    return _delta("response.reasoning_summary_text.delta", response_id, item_id, delta)
 
 
 def arguments_delta_event(response_id: str, item_id: str, delta: str) -> tuple[str, dict]:
-    return "response.function_call_arguments.delta", {
-        "response_id": response_id,
-        "item_id": item_id,
-        "delta": delta,
-    }
+    return _delta("response.function_call_arguments.delta", response_id, item_id, delta)
 
 
 def item_done_event(response_id: str, output_index: int, item: dict) -> tuple[str, dict]:

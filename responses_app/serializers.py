@@ -95,32 +95,42 @@ class TextPartSerializer(StrictSerializer):
     annotations = StrictListField(required=False)
 
 
-class PartField(serializers.Field):
-    """One content part, chosen by its ``type``."""
+def run_nested(serializer_class: type[serializers.Serializer], data: object) -> dict:
+    serializer = serializer_class(data=data)
+    if not serializer.is_valid():
+        raise serializers.ValidationError(serializer.errors)
+    return dict(serializer.validated_data)
+
+
+class TypedObjectField(serializers.Field):
+    """An object whose ``type`` member chooses the serializer that checks it."""
+
+    def __init__(
+        self,
+        what: str,
+        by_type: dict[str, type[serializers.Serializer]],
+        reserved: tuple[str, ...] = (),
+        **kwargs: object,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.what, self.by_type, self.reserved = what, by_type, reserved
 
     def to_internal_value(self, data: object) -> dict:
         if not isinstance(data, dict):
             raise serializers.ValidationError(
-                f"Expected a content part object, got {json_type(data)}."
+                f"Expected {self.what} object, got {json_type(data)}."
             )
-        part_type = data.get("type")
-        if part_type in RESERVED_PART_TYPES:
-            raise serializers.ValidationError(
-                {
-                    "type": [
-                        serializers.ErrorDetail(
-                            f"Content type {part_type!r} is reserved in LMSP 1.0;"
-                            " only text is supported.",
-                            code="unsupported_content_type",
-                        )
-                    ]
-                }
-            )
-        if part_type not in ("input_text", "output_text"):
-            raise serializers.ValidationError(
-                {"type": [f"Unknown content part type {part_type!r}."]}
-            )
-        return run_nested(TextPartSerializer, data)
+        kind = data.get("type")
+        if kind in self.reserved:
+            reserved = f"Content type {kind!r} is reserved in LMSP 1.0; only text is supported."
+            error = serializers.ErrorDetail(reserved, code="unsupported_content_type")
+            raise serializers.ValidationError({"type": [error]})
+        if kind not in self.by_type:
+            raise serializers.ValidationError({"type": [f"Unknown {self.what} type {kind!r}."]})
+        return run_nested(self.by_type[kind], data)
+
+
+PART_SERIALIZERS = {"input_text": TextPartSerializer, "output_text": TextPartSerializer}
 
 
 class MessageItemSerializer(StrictSerializer):
@@ -128,7 +138,9 @@ class MessageItemSerializer(StrictSerializer):
     id = StrictCharField(required=False)
     status = StrictCharField(required=False)
     role = serializers.ChoiceField(choices=["system", "user", "assistant"])
-    content = StrictListField(child=PartField())
+    content = StrictListField(
+        child=TypedObjectField("a content part", PART_SERIALIZERS, RESERVED_PART_TYPES)
+    )
 
     def validate(self, attrs: dict) -> dict:
         for index, part in enumerate(attrs["content"]):
@@ -183,26 +195,6 @@ ITEM_SERIALIZERS = {
     "function_call_output": FunctionCallOutputItemSerializer,
     "reasoning": ReasoningItemSerializer,
 }
-
-
-def run_nested(serializer_class: type[serializers.Serializer], data: object) -> dict:
-    serializer = serializer_class(data=data)
-    if not serializer.is_valid():
-        raise serializers.ValidationError(serializer.errors)
-    return dict(serializer.validated_data)
-
-
-class ItemField(serializers.Field):
-    def to_internal_value(self, data: object) -> dict:
-        if not isinstance(data, dict):
-            raise serializers.ValidationError(
-                f"Expected an input item object, got {json_type(data)}."
-            )
-        item_type = data.get("type")
-        serializer_class = ITEM_SERIALIZERS.get(item_type)
-        if serializer_class is None:
-            raise serializers.ValidationError({"type": [f"Unknown input item type {item_type!r}."]})
-        return run_nested(serializer_class, data)
 
 
 # --- tools and formats -----------------------------------------------------------
@@ -264,7 +256,9 @@ class ResponseFormatSerializer(StrictSerializer):
 
 class ResponseRequestSerializer(StrictSerializer):
     model = StrictCharField()
-    input = StrictListField(child=ItemField(), allow_empty=False)
+    input = StrictListField(
+        child=TypedObjectField("an input item", ITEM_SERIALIZERS), allow_empty=False
+    )
     stream = StrictBooleanField(required=False, default=False)
     max_output_tokens = StrictIntegerField(required=False, min_value=1)
     temperature = StrictFloatField(required=False, min_value=0.0, max_value=2.0, default=1.0)
