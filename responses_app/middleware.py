@@ -44,8 +44,29 @@ class ProtocolMiddleware(MiddlewareMixin):
         return problem_response(ProblemError("internal_error", "The server failed to answer."))
 
     def process_response(self, request: HttpRequest, response: HttpResponse) -> HttpResponse:
+        if request.path.startswith(API_PREFIX) and _is_foreign_error(response):
+            # An error answered below the views (a bad Host header, say) comes as
+            # Django's HTML page; API clients get a problem document instead.
+            code = FALLBACK_CODES.get(response.status_code, "internal_error")
+            kept = {name: response[name] for name in ("Allow",) if response.has_header(name)}
+            response = problem_response(
+                ProblemError(code, response.reason_phrase + ".", headers=kept)
+            )
         response["LMSP-Version"] = PROTOCOL_VERSION
         return response
+
+
+FALLBACK_CODES = {
+    400: "invalid_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+}
+
+
+def _is_foreign_error(response: HttpResponse) -> bool:
+    content_type = response.get("Content-Type", "")
+    return response.status_code >= 400 and not content_type.startswith("application/problem+json")
 
 
 def check_version(header: str | None) -> None:

@@ -115,6 +115,8 @@ def test_protocol_level_errors(api):
     answer = api.delete("/lmsp/v1/tasks")
     assert_problem(answer, 405, "method_not_allowed")
     assert "POST" in answer.headers["Allow"] and "GET" in answer.headers["Allow"]
+    answer = api.get("/lmsp/v1/models", headers={"Host": "elsewhere.example"})
+    assert_problem(answer, 400, "invalid_request")  # Django's own refusal, as a problem
     assert not Task.objects.exists()  # nothing refused was queued
 
 
