@@ -79,8 +79,7 @@ class OutputAssembler:
                     events += self._close_open()
                     s["buf"] = buf[index + len(marker) :]
                     if marker == THINK_OPEN:
-                        s["mode"] = "think"
-                        events += self._open("reasoning")
+                        s["mode"] = "think"  # the item opens with its first word
                     else:
                         s["mode"] = "tool"
                     continue
@@ -91,14 +90,16 @@ class OutputAssembler:
             if mode == "think":
                 index = buf.find(THINK_CLOSE)
                 if index >= 0:
-                    events += self._reasoning(buf[:index])
+                    events += self._reasoning(buf[:index].rstrip())
                     events += self._close_open()
                     s["buf"] = buf[index + len(THINK_CLOSE) :].lstrip()
                     s["mode"] = "text"
                     continue
-                keep = _held_back(buf, (THINK_CLOSE,))
-                events += self._reasoning(buf[: len(buf) - keep])
-                s["buf"] = buf[len(buf) - keep :]
+                # Trailing whitespace waits too: thoughts end with a line break
+                # before the marker, which is not part of the summary.
+                said = buf[: len(buf) - _held_back(buf, (THINK_CLOSE,))].rstrip()
+                events += self._reasoning(said)
+                s["buf"] = buf[len(said) :]
                 return events
             # mode == "tool": a call is emitted whole once its closing tag arrives
             index = buf.find(TOOL_CLOSE)
@@ -126,7 +127,7 @@ class OutputAssembler:
         buf, s["buf"] = s["buf"], ""
         mode, s["mode"] = s["mode"], "text"
         if mode == "think":
-            events = self._reasoning(buf)
+            events = self._reasoning(buf.rstrip())
         elif mode == "tool":
             events = self._close_open() + self._tool_call(buf)
         else:
@@ -176,13 +177,20 @@ class OutputAssembler:
         return events
 
     def _reasoning(self, text: str) -> list[tuple[str, dict]]:
-        if not text:
-            return []
-        item = self.items[self._s["open"]]
-        if not item["summary"][0]["text"]:
+        """Thoughts, in a reasoning item opened by the first word of them: a
+        model that thinks nothing (Qwen3 with thinking off writes an empty
+        ``<think></think>``) gets no empty reasoning item."""
+        events = []
+        if self._s["open"] is None:
             text = text.lstrip()
+            if not text:
+                return []
+            events += self._open("reasoning")
+        item = self.items[self._s["open"]]
         item["summary"][0]["text"] += text
-        return [protocol.reasoning_delta_event(self.response_id, item["id"], text)] if text else []
+        if text:
+            events.append(protocol.reasoning_delta_event(self.response_id, item["id"], text))
+        return events
 
     def _tool_call(self, body: str) -> list[tuple[str, dict]]:
         try:

@@ -29,7 +29,10 @@ For each function call, return a json object with function name and arguments \
 within <tool_call></tool_call> XML tags:
 <tool_call>
 {{"name": <function-name>, "arguments": <args-json-object>}}
-</tool_call>"""
+</tool_call>
+
+The results of the calls come back within <tool_response></tool_response> XML tags. \
+Then answer the user in plain sentences, using the results."""
 
 TOOL_CHOICE_HINTS = {
     "auto": "",

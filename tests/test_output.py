@@ -1,0 +1,144 @@
+"""OutputAssembler on model text as thinking and tool-calling models write it.
+
+Pure unit tests: no model, no database. The texts have the exact shape Qwen3
+writes (a ``<think>`` block first, the answer after a blank line, Hermes
+``<tool_call>`` blocks), the format the registry's ``qwen3:0.6b`` entry is
+parsed with.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from workers.output import OutputAssembler
+
+THOUGHTS = (
+    "Okay, the user is asking for the capital of France. I remember that Paris is the "
+    "capital and largest city of France.\nLet me answer in one sentence."
+)
+ANSWER = "The capital of France is Paris."
+THINKING = f"<think>\n{THOUGHTS}\n</think>\n\n{ANSWER}"
+CALL = {"name": "get_weather", "arguments": {"city": "Hangzhou"}}
+THINKING_THEN_CALL = (
+    "<think>\nThe user wants the weather in Hangzhou; I should call get_weather.\n</think>\n\n"
+    f"<tool_call>\n{json.dumps(CALL)}\n</tool_call>"
+)
+
+
+def assemble(chunks: list[str], **flags: bool) -> tuple[OutputAssembler, list[tuple[str, dict]]]:
+    assembler = OutputAssembler("resp_test", **flags)
+    events = []
+    for chunk in chunks:
+        events += assembler.feed(chunk)
+    events += assembler.finish()
+    return assembler, events
+
+
+def deltas(events: list[tuple[str, dict]], kind: str, item_id: str) -> str:
+    return "".join(
+        body["delta"] for name, body in events if name == kind and body["item_id"] == item_id
+    )
+
+
+def summary(item: dict) -> str:
+    return item["summary"][0]["text"]
+
+
+def test_thoughts_become_a_reasoning_item_before_the_message():
+    assembler, events = assemble([THINKING], parse_reasoning=True)
+    reasoning, message = assembler.items
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_")
+    assert reasoning["summary"] == [{"type": "summary_text", "text": THOUGHTS}]
+    assert message["type"] == "message"
+    assert message["content"][0]["text"] == ANSWER
+    names = [name for name, _ in events]
+    assert names == [
+        "response.output_item.added",
+        "response.reasoning_summary_text.delta",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.output_text.delta",
+        "response.output_item.done",
+    ]
+    assert [body["output_index"] for name, body in events if "output_item" in name] == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 7])
+def test_markers_split_across_chunks(size):
+    """Decoding hands over a few characters at a time; markers straddle chunks."""
+    chunks = [THINKING[i : i + size] for i in range(0, len(THINKING), size)]
+    assembler, events = assemble(chunks, parse_reasoning=True)
+    reasoning, message = assembler.items
+    assert summary(reasoning) == THOUGHTS
+    assert message["content"][0]["text"] == ANSWER
+    reasoning_deltas = deltas(events, "response.reasoning_summary_text.delta", reasoning["id"])
+    assert reasoning_deltas == THOUGHTS
+    assert deltas(events, "response.output_text.delta", message["id"]) == ANSWER
+    assert not any("<" in body.get("delta", "") for _, body in events)
+
+
+def test_every_two_chunk_split_gives_the_same_items():
+    for cut in range(len(THINKING) + 1):
+        assembler, _ = assemble([THINKING[:cut], THINKING[cut:]], parse_reasoning=True)
+        assert [summary(assembler.items[0]), assembler.items[1]["content"][0]["text"]] == [
+            THOUGHTS,
+            ANSWER,
+        ], cut
+
+
+def test_state_restores_mid_thought_and_mid_marker():
+    """A new attempt after a lost worker goes on from the saved state."""
+    for cut in (3, 20, len("<think>\n") + len(THOUGHTS) + 4, len(THINKING) - 10):
+        first = OutputAssembler("resp_test", parse_reasoning=True)
+        events = first.feed(THINKING[:cut])
+        saved = json.loads(json.dumps(first.state()))  # as stored in the checkpoint
+        second = OutputAssembler("resp_test", saved)
+        events += second.feed(THINKING[cut:]) + second.finish()
+        reasoning, message = second.items
+        assert summary(reasoning) == THOUGHTS, cut
+        assert message["content"][0]["text"] == ANSWER, cut
+        assert deltas(events, "response.output_text.delta", message["id"]) == ANSWER
+        done = [body["item"] for name, body in events if name == "response.output_item.done"]
+        assert done == second.items
+
+
+def test_thinking_then_a_tool_call():
+    chunks = [THINKING_THEN_CALL[i : i + 4] for i in range(0, len(THINKING_THEN_CALL), 4)]
+    assembler, events = assemble(chunks, parse_reasoning=True, parse_tools=True)
+    reasoning, call = assembler.items
+    assert summary(reasoning).startswith("The user wants the weather")
+    assert call["type"] == "function_call" and call["name"] == "get_weather"
+    assert json.loads(call["arguments"]) == CALL["arguments"]
+    assert call["id"].startswith("fc_") and call["call_id"].startswith("call_")
+    assert not [e for e in events if e[0] == "response.output_text.delta"]
+
+
+def test_empty_thoughts_leave_no_reasoning_item():
+    """Qwen3 with thinking switched off still writes an empty think block."""
+    assembler, events = assemble(["<think>\n\n</think>\n\n", ANSWER], parse_reasoning=True)
+    [message] = assembler.items
+    assert message["content"][0]["text"] == ANSWER
+    assert not [e for e in events if e[0] == "response.reasoning_summary_text.delta"]
+
+
+def test_thoughts_cut_by_the_token_limit_are_kept():
+    assembler = OutputAssembler("resp_test", parse_reasoning=True)
+    events = assembler.feed("<think>\nFirst, recall the facts.\nThen ") + assembler.close()
+    [reasoning] = assembler.items
+    assert summary(reasoning) == "First, recall the facts.\nThen"
+    assert events[-1][0] == "response.output_item.done"
+
+
+def test_without_the_reasoning_capability_think_is_plain_text():
+    assembler, _ = assemble([THINKING])
+    [message] = assembler.items
+    assert message["content"][0]["text"] == THINKING
+
+
+def test_think_is_only_a_marker_at_the_start():
+    text = "Models may write <think> tags."
+    assembler, _ = assemble(["Models may ", "write <think> tags."], parse_reasoning=True)
+    [message] = assembler.items
+    assert message["content"][0]["text"] == text
