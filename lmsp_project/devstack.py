@@ -112,7 +112,9 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     with services() as extra:
-        env = {**os.environ, **extra}
+        # Procfile commands run through a shell: find this interpreter's tools first.
+        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        env = {**os.environ, **extra, "PATH": path}
         if argv[0] == "serve":
             return serve(env)
         return subprocess.run(
