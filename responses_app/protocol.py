@@ -46,6 +46,23 @@ def usage(input_tokens: int, output_tokens: int) -> dict:
     }
 
 
+# PostgreSQL's jsonb keeps members sorted its own way; answers list them in
+# the order the protocol's examples use, so stored and streamed items read alike.
+MEMBER_ORDER = (
+    "id type role status call_id name arguments output content summary text annotations"
+).split()
+
+
+def in_protocol_order(value: Any) -> Any:
+    if isinstance(value, list):
+        return [in_protocol_order(member) for member in value]
+    if isinstance(value, dict):
+        rank = {name: index for index, name in enumerate(MEMBER_ORDER)}
+        ordered = sorted(value, key=lambda name: rank.get(name, len(rank)))
+        return {name: in_protocol_order(value[name]) for name in ordered}
+    return value
+
+
 def response_object(response: Response) -> dict:
     return {
         "id": response.id,
@@ -53,7 +70,7 @@ def response_object(response: Response) -> dict:
         "created_at": timestamp(response.created_at),
         "status": response.status,
         "model": response.model,
-        "output": response.output,
+        "output": in_protocol_order(response.output),
         "usage": usage(response.input_tokens, response.output_tokens),
         "error": response.error,
         "incomplete_details": response.incomplete_details,
