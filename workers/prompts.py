@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 
+from .constraints import NO_PARAMETERS
 from .registry import ModelSpec
 
 TOOLS_PREAMBLE = """# Tools
@@ -115,7 +116,7 @@ def _function(tool: dict) -> dict:
     function = {"name": tool["name"]}
     if tool.get("description"):
         function["description"] = tool["description"]
-    function["parameters"] = tool.get("parameters") or {"type": "object", "properties": {}}
+    function["parameters"] = tool.get("parameters") or NO_PARAMETERS
     return {"type": "function", "function": function}
 
 
