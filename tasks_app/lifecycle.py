@@ -24,7 +24,7 @@ from responses_app.errors import ProblemError, problem
 from responses_app.models import Response
 
 from .event_log import EventLog
-from .models import Task, TaskStatus
+from .models import Task, TaskStatus, UsageRecord
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,9 @@ def _finalize(task: Task, events: list[tuple[str, dict]], outcome: Outcome) -> N
         error=outcome.error,
         incomplete_details=outcome.incomplete_details,
         completed_at=now,
+    )
+    UsageRecord.objects.filter(response_id=task.response_id).update(
+        status=outcome.status, output_tokens=outcome.output_tokens, completed_at=now
     )
 
 

@@ -122,3 +122,24 @@ class IdempotencyKey(models.Model):
 
     def __str__(self) -> str:
         return f"{self.owner_id}:{self.key}"
+
+
+class UsageRecord(models.Model):
+    """Accounting for one request: written when it is accepted, completed when it
+    ends, and kept after its response is gone (``store: false`` responses are
+    deleted once delivered), so the admin's dashboard counts every request."""
+
+    response_id = models.CharField(max_length=40, unique=True)
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="usage_records"
+    )
+    model = models.CharField(max_length=100, db_index=True)
+    kind = models.CharField(max_length=10, choices=TaskKind.choices)
+    status = models.CharField(max_length=20, choices=TaskStatus.choices)
+    input_tokens = models.PositiveIntegerField(default=0)
+    output_tokens = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(db_index=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.response_id} {self.status}"

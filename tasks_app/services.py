@@ -15,7 +15,7 @@ from responses_app.services import PreparedGeneration
 
 from . import lifecycle
 from .event_log import EventLog
-from .models import Task, TaskKind, TaskStatus
+from .models import Task, TaskKind, TaskStatus, UsageRecord
 
 
 @transaction.atomic
@@ -54,6 +54,15 @@ def start_generation(owner: AbstractBaseUser, prepared: PreparedGeneration, kind
     )
     EventLog.append(task, [protocol.created_event(response.id)])
     task.save(update_fields=["last_event_id"])
+    UsageRecord.objects.create(
+        response_id=response.id,
+        owner=owner,
+        model=spec.id,
+        kind=kind,
+        status=TaskStatus.IN_PROGRESS,
+        input_tokens=prepared.input_tokens,
+        created_at=now,
+    )
     lifecycle.enqueue_on_commit(task, spec.queue)
     return task
 

@@ -23,7 +23,7 @@ from responses_app.ids import new_id
 from responses_app.models import Response
 from tasks_app import lifecycle
 from tasks_app.event_log import EventLog
-from tasks_app.models import Event, Task, TaskStatus
+from tasks_app.models import Event, Task, TaskStatus, UsageRecord
 from workers import heartbeat
 
 # Redis for the heartbeat tests: the machine's own (the stack fixtures may point
@@ -74,6 +74,11 @@ def make_response(
     with transaction.atomic():
         EventLog.append(task, events or [protocol.created_event(response.id)])
         task.save(update_fields=["last_event_id"])
+    UsageRecord.objects.create(
+        response_id=response.id, owner=owner, model=model, kind=task.kind, status=task.status,
+        input_tokens=response.input_tokens, output_tokens=response.output_tokens, created_at=now,
+        completed_at=task.completed_at,
+    )
     return response
 
 

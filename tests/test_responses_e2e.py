@@ -7,6 +7,7 @@ import time
 import pytest
 
 from responses_app.models import Response
+from tasks_app.models import Event, UsageRecord
 from workers.loading import load_tokenizer
 from workers.registry import get_model
 
@@ -113,7 +114,10 @@ def test_store_false_leaves_nothing_behind(api):
     body = api.post("/lmsp/v1/responses", json=request_body(max_output_tokens=4)).json()
     assert body["status"] in ("completed", "incomplete")
     assert not Response.objects.filter(id=body["id"]).exists()
+    assert not Event.objects.filter(task__response_id=body["id"]).exists()
     assert api.get(f"/lmsp/v1/responses/{body['id']}").status_code == 404
+    usage = UsageRecord.objects.get(response_id=body["id"])  # only the accounting stays
+    assert (usage.status, usage.output_tokens) == (body["status"], body["usage"]["output_tokens"])
 
 
 def test_queue_waits_are_kept_alive_with_comments(api):

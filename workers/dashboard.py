@@ -1,9 +1,8 @@
 """What the admin's dashboard and model pages show, read from the database,
 the registry and the workers' heartbeats.
 
-Request counts come from the responses still in the database: stored
-responses and tasks. A direct ``store: false`` response is deleted once
-delivered, by design, so it leaves nothing to count.
+Request counts come from the usage records, which outlive the responses
+(a direct ``store: false`` response is deleted once delivered).
 """
 
 from __future__ import annotations
@@ -16,8 +15,7 @@ from django.db.models import Count, Q, Sum
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
-from responses_app.models import Response, ResponseStatus
-from tasks_app.models import Task, TaskStatus
+from tasks_app.models import Task, TaskStatus, UsageRecord
 
 from . import heartbeat
 from .registry import ModelSpec, available_models, declared_models
@@ -50,13 +48,13 @@ class ModelRow:
 
 def usage_by_model(since: datetime) -> list[ModelUsage]:
     rows = (
-        Response.objects.filter(created_at__gte=since)
+        UsageRecord.objects.filter(created_at__gte=since)
         .values("model")
         .annotate(
             requests=Count("id"),
             input_tokens=Sum("input_tokens"),
             output_tokens=Sum("output_tokens"),
-            failed=Count("id", filter=Q(status=ResponseStatus.FAILED)),
+            failed=Count("id", filter=Q(status=TaskStatus.FAILED)),
         )
         .order_by("model")
     )
@@ -68,10 +66,10 @@ def hourly(now: datetime) -> Hourly:
     hours = [last - timedelta(hours=n) for n in range(23, -1, -1)]
     index = {hour: i for i, hour in enumerate(hours)}
     rows = (
-        Response.objects.filter(created_at__gte=hours[0])
+        UsageRecord.objects.filter(created_at__gte=hours[0])
         .annotate(hour=TruncHour("created_at"))
         .values("model", "hour")
-        .annotate(n=Count("id"), failed=Count("id", filter=Q(status=ResponseStatus.FAILED)))
+        .annotate(n=Count("id"), failed=Count("id", filter=Q(status=TaskStatus.FAILED)))
     )
     requests: dict[str, list[int]] = {}
     failures = [0] * len(hours)
