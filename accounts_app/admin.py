@@ -49,8 +49,15 @@ class ApiTokenAdmin(admin.ModelAdmin):
     page that answers the creation, once, and only its hash is ever stored."""
 
     list_display = (
-        "prefix", "name", "owner", "scope_list", "state", "created_at", "expires_at",
-        "last_used_at", "revoked_at",
+        "prefix",
+        "name",
+        "owner",
+        "scope_list",
+        "state",
+        "created_at",
+        "expires_at",
+        "last_used_at",
+        "revoked_at",
     )
     list_filter = (TokenStateFilter, "owner")
     list_select_related = ("owner",)
@@ -59,11 +66,24 @@ class ApiTokenAdmin(admin.ModelAdmin):
     add_form = ApiTokenCreationForm
     add_fieldsets = ((None, {"fields": ("owner", "name", "scopes", "expires_in_days")}),)
     fields = (
-        "prefix", "owner", "name", "scope_list", "state", "created_at", "expires_at",
-        "last_used_at", "revoked_at",
+        "prefix",
+        "owner",
+        "name",
+        "scope_list",
+        "state",
+        "created_at",
+        "expires_at",
+        "last_used_at",
+        "revoked_at",
     )
     readonly_fields = (
-        "prefix", "owner", "scope_list", "state", "created_at", "last_used_at", "revoked_at",
+        "prefix",
+        "owner",
+        "scope_list",
+        "state",
+        "created_at",
+        "last_used_at",
+        "revoked_at",
     )
 
     @admin.display(description="scopes")
@@ -125,7 +145,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
 
     @admin.action(description="Revoke the selected tokens", permissions=["change"])
     def revoke(self, request: HttpRequest, queryset: QuerySet) -> None:
-        revoked = sum(services.revoke_token(prefix) for prefix in queryset.values_list(
-            "prefix", flat=True
-        ))
+        revoked = sum(
+            services.revoke_token(prefix) for prefix in queryset.values_list("prefix", flat=True)
+        )
         self.message_user(request, f"Revoked {revoked} token(s).", messages.SUCCESS)

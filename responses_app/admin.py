@@ -19,8 +19,19 @@ class ResponseAdmin(admin.ModelAdmin):
     search_help_text = "An exact response id, or text the input or output contains."
     date_hierarchy = "created_at"
     readonly_fields = (
-        "id", "owner", "model", "status", "store", "previous_response", "input_tokens",
-        "output_tokens", "error", "incomplete_details", "params", "created_at", "completed_at",
+        "id",
+        "owner",
+        "model",
+        "status",
+        "store",
+        "previous_response",
+        "input_tokens",
+        "output_tokens",
+        "error",
+        "incomplete_details",
+        "params",
+        "created_at",
+        "completed_at",
         "prompt",
     )
     fieldsets = (

@@ -69,8 +69,9 @@ def entry(item: dict, source: str) -> Entry:
             call_id=item.get("call_id", ""),
         )
     if kind == "function_call_output":
-        return Entry(kind, "tool", _pretty(item.get("output", "")), source,
-                     call_id=item.get("call_id", ""))
+        return Entry(
+            kind, "tool", _pretty(item.get("output", "")), source, call_id=item.get("call_id", "")
+        )
     if kind == "reasoning":
         text = "".join(part.get("text", "") for part in item.get("summary", []))
         return Entry(kind, "assistant", text, source)
@@ -110,9 +111,9 @@ def timeline(response: Response) -> Timeline:
     if task is None:
         return Timeline(None, [], False)
     rows = list(
-        Event.objects.filter(task=task).order_by("seq")[: TIMELINE_LIMIT + 1].values_list(
-            "seq", "type", "created_at", "data"
-        )
+        Event.objects.filter(task=task)
+        .order_by("seq")[: TIMELINE_LIMIT + 1]
+        .values_list("seq", "type", "created_at", "data")
     )
     events = [TimelineEvent(seq, kind, at, _preview(kind, data)) for seq, kind, at, data in rows]
     return Timeline(task, events[:TIMELINE_LIMIT], len(events) > TIMELINE_LIMIT)

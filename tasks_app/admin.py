@@ -33,8 +33,16 @@ def _apply(
 @admin.register(Task)
 class TaskAdmin(admin.ModelAdmin):
     list_display = (
-        "id", "owner", "model", "status", "attempt", "created_at", "started_at", "completed_at",
-        "last_event_id", "pruned_through",
+        "id",
+        "owner",
+        "model",
+        "status",
+        "attempt",
+        "created_at",
+        "started_at",
+        "completed_at",
+        "last_event_id",
+        "pruned_through",
     )
     list_filter = ("status", "kind", "model", "owner", "created_at")
     list_select_related = ("owner",)
@@ -42,9 +50,23 @@ class TaskAdmin(admin.ModelAdmin):
     date_hierarchy = "created_at"
     actions = ("cancel_tasks", "requeue_failed_tasks")
     fields = (
-        "id", "owner", "kind", "model", "status", "response", "error", "attempt", "worker",
-        "cancel_requested", "created_at", "enqueued_at", "started_at", "completed_at",
-        "lease_expires_at", "last_event_id", "pruned_through",
+        "id",
+        "owner",
+        "kind",
+        "model",
+        "status",
+        "response",
+        "error",
+        "attempt",
+        "worker",
+        "cancel_requested",
+        "created_at",
+        "enqueued_at",
+        "started_at",
+        "completed_at",
+        "lease_expires_at",
+        "last_event_id",
+        "pruned_through",
     )
     readonly_fields = fields
 

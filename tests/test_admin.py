@@ -58,15 +58,29 @@ def make_response(
     """A stored response and its task with a short event log, as a worker leaves them."""
     now = created_at or timezone.now()
     response = Response.objects.create(
-        id=new_id("resp"), owner=owner, model=model, status=status, input=input_items,
-        output=output or [], store=True, previous_response=previous, prompt="<prompt>",
-        input_tokens=11, output_tokens=7, created_at=now,
+        id=new_id("resp"),
+        owner=owner,
+        model=model,
+        status=status,
+        input=input_items,
+        output=output or [],
+        store=True,
+        previous_response=previous,
+        prompt="<prompt>",
+        input_tokens=11,
+        output_tokens=7,
+        created_at=now,
         completed_at=None if status == "in_progress" else now,
         error=protocol_error() if status == "failed" else None,
     )
     task = Task.objects.create(
-        id=new_id("task"), owner=owner, response=response, model=model,
-        status=task_status or status, created_at=now, enqueued_at=now,
+        id=new_id("task"),
+        owner=owner,
+        response=response,
+        model=model,
+        status=task_status or status,
+        created_at=now,
+        enqueued_at=now,
         completed_at=None if (task_status or status) in ("queued", "in_progress") else now,
         error=protocol_error() if (task_status or status) == "failed" else None,
         **task_fields,
@@ -75,8 +89,14 @@ def make_response(
         EventLog.append(task, events or [protocol.created_event(response.id)])
         task.save(update_fields=["last_event_id"])
     UsageRecord.objects.create(
-        response_id=response.id, owner=owner, model=model, kind=task.kind, status=task.status,
-        input_tokens=response.input_tokens, output_tokens=response.output_tokens, created_at=now,
+        response_id=response.id,
+        owner=owner,
+        model=model,
+        kind=task.kind,
+        status=task.status,
+        input_tokens=response.input_tokens,
+        output_tokens=response.output_tokens,
+        created_at=now,
         completed_at=task.completed_at,
     )
     return response
@@ -98,11 +118,12 @@ def conversation(alice) -> tuple[Response, Response]:
         alice,
         [message("system", "You are terse."), message("user", "What is the weather in Oslo?")],
         [
-            {"id": new_id("rs"), "type": "reasoning",
-             "summary": [{"type": "summary_text", "text": "I need the weather tool."}]},
-            protocol.function_call_item(
-                new_id("fc"), "call_1", "get_weather", '{"city":"Oslo"}'
-            ),
+            {
+                "id": new_id("rs"),
+                "type": "reasoning",
+                "summary": [{"type": "summary_text", "text": "I need the weather tool."}],
+            },
+            protocol.function_call_item(new_id("fc"), "call_1", "get_weather", '{"city":"Oslo"}'),
         ],
         events=[
             protocol.created_event("resp_x"),
@@ -111,8 +132,13 @@ def conversation(alice) -> tuple[Response, Response]:
     )
     second = make_response(
         alice,
-        [{"type": "function_call_output", "call_id": "call_1",
-          "output": '{"temperature_c":17,"condition":"light rain"}'}],
+        [
+            {
+                "type": "function_call_output",
+                "call_id": "call_1",
+                "output": '{"temperature_c":17,"condition":"light rain"}',
+            }
+        ],
         [protocol.message_item(new_id("msg"), "It is 17 degrees with light rain in Oslo.")],
         previous=first,
     )
@@ -126,9 +152,13 @@ def test_index_links_the_dashboard_and_the_models(admin_client):
     page = admin_client.get("/admin/")
     assert page.status_code == 200
     html = page.content.decode()
-    for link in ("/admin/lmsp/dashboard/", "/admin/lmsp/models/",
-                 "/admin/responses_app/response/", "/admin/tasks_app/task/",
-                 "/admin/accounts_app/apitoken/"):
+    for link in (
+        "/admin/lmsp/dashboard/",
+        "/admin/lmsp/models/",
+        "/admin/responses_app/response/",
+        "/admin/tasks_app/task/",
+        "/admin/accounts_app/apitoken/",
+    ):
         assert link in html
 
 
@@ -174,7 +204,9 @@ def test_response_list_filters(admin_client, alice, conversation):
     def ids(query: dict) -> set[str]:
         html = admin_client.get(url, query).content.decode()
         return set(re.findall(r"resp_[0-9A-Z]{26}", html)) & {
-            failed.id, old.id, *(r.id for r in conversation)
+            failed.id,
+            old.id,
+            *(r.id for r in conversation),
         }
 
     assert ids({"status__exact": "failed"}) == {failed.id}
@@ -201,7 +233,7 @@ def test_response_page_shows_the_whole_conversation_in_order(admin_client, conve
     page = admin_client.get(change_url(second))
     assert page.status_code == 200
     html = page.content.decode()
-    chat = html[html.index('id="conversation"'):html.index('id="timeline"')]
+    chat = html[html.index('id="conversation"') : html.index('id="timeline"')]
     expected = [
         "You are terse.",
         "What is the weather in Oslo?",
@@ -215,12 +247,18 @@ def test_response_page_shows_the_whole_conversation_in_order(admin_client, conve
     positions = [chat.index(text) for text in expected]
     assert positions == sorted(positions)
     assert chat.index(first.id) < chat.index(second.id)
-    for kind in ('data-kind="reasoning"', 'data-kind="function_call"',
-                 'data-kind="function_call_output"', "lmsp-system", "lmsp-user", "lmsp-assistant"):
+    for kind in (
+        'data-kind="reasoning"',
+        'data-kind="function_call"',
+        'data-kind="function_call_output"',
+        "lmsp-system",
+        "lmsp-user",
+        "lmsp-assistant",
+    ):
         assert kind in chat
     # usage and the event timeline
     assert "Input tokens" in html and "11" in html
-    assert "response.created" in html[html.index('id="timeline"'):]
+    assert "response.created" in html[html.index('id="timeline"') :]
 
 
 def test_response_page_shows_error_and_delta_events(admin_client, conversation, alice):
@@ -252,8 +290,13 @@ def test_task_list_and_page_show_the_lifecycle(admin_client, conversation):
     Task.objects.filter(pk=task.pk).update(attempt=2, pruned_through=1, worker="w@host:1")
     html = admin_client.get("/admin/tasks_app/task/").content.decode()
     assert task.id in html
-    for column in ("column-attempt", "column-last_event_id", "column-pruned_through",
-                   "column-started_at", "column-completed_at"):
+    for column in (
+        "column-attempt",
+        "column-last_event_id",
+        "column-pruned_through",
+        "column-started_at",
+        "column-completed_at",
+    ):
         assert column in html
     page = admin_client.get(change_url(task))
     assert page.status_code == 200
@@ -262,8 +305,9 @@ def test_task_list_and_page_show_the_lifecycle(admin_client, conversation):
 
 
 def test_cancel_action_ends_a_queued_task(admin_client, alice):
-    queued = make_response(alice, [message("user", "wait")], status="in_progress",
-                           task_status="queued").task
+    queued = make_response(
+        alice, [message("user", "wait")], status="in_progress", task_status="queued"
+    ).task
     done = make_response(alice, [message("user", "done")]).task
     answer = admin_client.post(
         "/admin/tasks_app/task/",
@@ -279,10 +323,12 @@ def test_cancel_action_ends_a_queued_task(admin_client, alice):
 
 
 def test_cancel_action_flags_a_running_task(admin_client, alice):
-    running = make_response(alice, [message("user", "go")], status="in_progress",
-                            task_status="in_progress", attempt=1).task
-    admin_client.post("/admin/tasks_app/task/",
-                      {"action": "cancel_tasks", "_selected_action": [running.id]})
+    running = make_response(
+        alice, [message("user", "go")], status="in_progress", task_status="in_progress", attempt=1
+    ).task
+    admin_client.post(
+        "/admin/tasks_app/task/", {"action": "cancel_tasks", "_selected_action": [running.id]}
+    )
     running.refresh_from_db()
     assert running.status == "in_progress" and running.cancel_requested
 
@@ -339,8 +385,12 @@ def test_token_creation_shows_the_secret_once(admin_client, alice):
     assert "tools:execute" not in form and "secret_hash" not in form
     answer = admin_client.post(
         "/admin/accounts_app/apitoken/add/",
-        {"owner": alice.pk, "name": "ci", "scopes": ["models:read", "responses:read"],
-         "expires_in_days": "30"},
+        {
+            "owner": alice.pk,
+            "name": "ci",
+            "scopes": ["models:read", "responses:read"],
+            "expires_in_days": "30",
+        },
     )
     assert answer.status_code == 200
     assert "no-store" in answer["Cache-Control"]
@@ -437,7 +487,7 @@ def models_row(admin_client, model_id: str) -> str:
     assert page.status_code == 200
     html = page.content.decode()
     start = html.index(f'data-model="{model_id}"')
-    return html[start:html.index("</tr>", start)]
+    return html[start : html.index("</tr>", start)]
 
 
 # --- dashboard --------------------------------------------------------------------------------
@@ -453,16 +503,20 @@ def test_dashboard_draws_requests_tokens_queues_and_failures(admin_client, alice
     assert page.status_code == 200
     html = page.content.decode()
     assert html.count('<svg class="lmsp-chart"') == 4
-    for title in ("Requests per hour and model", "Tokens per model", "Queue depth per model",
-                  "Failed responses per hour"):
+    for title in (
+        "Requests per hour and model",
+        "Tokens per model",
+        "Queue depth per model",
+        "Failed responses per hour",
+    ):
         assert title in html
-    table = html[html.index('id="requests"'):html.index('id="tokens"')]
+    table = html[html.index('id="requests"') : html.index('id="tokens"')]
     # smollm2: three in the window (one failed, one queued); the 2-day-old one not counted
     assert "<td>smollm2:135m</td><td>3</td><td>33</td><td>21</td><td>1</td>" in table
     assert "<td>other:1b</td><td>1</td>" in table
-    queues = html[html.index('id="queues"'):html.index('id="failures"')]
+    queues = html[html.index('id="queues"') : html.index('id="failures"')]
     assert "smollm2:135m queued: 1" in queues
-    failures = html[html.index('id="failures"'):]
+    failures = html[html.index('id="failures"') :]
     assert failed.id in failures and "worker_lost" in failures
 
 

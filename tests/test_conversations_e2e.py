@@ -53,9 +53,15 @@ def test_three_turns_with_a_tool_call_reach_the_model_and_the_admin_in_order(api
         "role": "system",
         "content": [{"type": "input_text", "text": "You are a weather assistant named Nimbus."}],
     }
-    first = post(api, request_body(
-        "My name is Ada and I live in Oslo.", store=True, max_output_tokens=12,
-    ) | {"input": [system, user_message("My name is Ada and I live in Oslo.")]})
+    first = post(
+        api,
+        request_body(
+            "My name is Ada and I live in Oslo.",
+            store=True,
+            max_output_tokens=12,
+        )
+        | {"input": [system, user_message("My name is Ada and I live in Oslo.")]},
+    )
     call = {
         "type": "function_call",
         "call_id": "call_weather_1",
@@ -69,13 +75,24 @@ def test_three_turns_with_a_tool_call_reach_the_model_and_the_admin_in_order(api
     }
     # The call and its result come back as input items, as a client sends them
     # after running the tool (no tool definitions needed to continue).
-    second = post(api, request_body(
-        store=True, max_output_tokens=12, previous_response_id=first["id"],
-    ) | {"input": [call, result]})
-    third = post(api, request_body(
-        "What is my name, and should I take an umbrella?", store=True, max_output_tokens=12,
-        previous_response_id=second["id"],
-    ))
+    second = post(
+        api,
+        request_body(
+            store=True,
+            max_output_tokens=12,
+            previous_response_id=first["id"],
+        )
+        | {"input": [call, result]},
+    )
+    third = post(
+        api,
+        request_body(
+            "What is my name, and should I take an umbrella?",
+            store=True,
+            max_output_tokens=12,
+            previous_response_id=second["id"],
+        ),
+    )
     assert third["previous_response_id"] == second["id"]
     for response in (first, second, third):
         assert response["status"] in ("completed", "incomplete")
@@ -103,12 +120,10 @@ def test_three_turns_with_a_tool_call_reach_the_model_and_the_admin_in_order(api
     staff = get_user_model().objects.create_superuser("root", password="unused")
     browser = Client()
     browser.force_login(staff)
-    page = browser.get(
-        reverse("admin:responses_app_response_change", args=[quote(third["id"])])
-    )
+    page = browser.get(reverse("admin:responses_app_response_change", args=[quote(third["id"])]))
     assert page.status_code == 200
     html = page.content.decode()
-    chat = html[html.index('id="conversation"'):html.index('id="timeline"')]
+    chat = html[html.index('id="conversation"') : html.index('id="timeline"')]
     shown = [
         first["id"],
         "You are a weather assistant named Nimbus.",

@@ -35,7 +35,13 @@ def _svg(title: str, width: int, height: int, body: str) -> SafeString:
     return format_html(
         '<svg class="lmsp-chart" role="img" aria-label="{}" viewBox="0 0 {} {}" width="{}" '
         'height="{}" xmlns="http://www.w3.org/2000/svg"><title>{}</title>{}</svg>',
-        title, width, height, width, height, title, mark_safe(body),
+        title,
+        width,
+        height,
+        width,
+        height,
+        title,
+        mark_safe(body),
     )
 
 
@@ -49,7 +55,10 @@ def stacked_columns(title: str, labels: list[str], series: dict[str, list[int]])
     parts = [
         format_html(
             '<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="#999"/>',
-            left, top + plot_h, width - 10, top + plot_h,
+            left,
+            top + plot_h,
+            width - 10,
+            top + plot_h,
         ),
         format_html('<text x="4" y="{}" {}>{}</text>', top + 4, mark_safe(FONT), peak),
         format_html('<text x="4" y="{}" {}>0</text>', top + plot_h, mark_safe(FONT)),
@@ -63,15 +72,26 @@ def stacked_columns(title: str, labels: list[str], series: dict[str, list[int]])
                 continue
             h = values[i] / peak * plot_h
             base -= h
-            parts.append(format_html(
-                '<rect x="{}" y="{}" width="{}" height="{}" fill="{}">'
-                "<title>{} {}: {}</title></rect>",
-                _n(x), _n(base), _n(step - 2), _n(h), _color(s), label, name, values[i],
-            ))
+            parts.append(
+                format_html(
+                    '<rect x="{}" y="{}" width="{}" height="{}" fill="{}">'
+                    "<title>{} {}: {}</title></rect>",
+                    _n(x),
+                    _n(base),
+                    _n(step - 2),
+                    _n(h),
+                    _color(s),
+                    label,
+                    name,
+                    values[i],
+                )
+            )
         if i % 3 == 0:
-            parts.append(format_html(
-                '<text x="{}" y="{}" {}>{}</text>', _n(x), height - 20, mark_safe(FONT), label
-            ))
+            parts.append(
+                format_html(
+                    '<text x="{}" y="{}" {}>{}</text>', _n(x), height - 20, mark_safe(FONT), label
+                )
+            )
     return _svg(title, width, height, "".join(parts))
 
 
@@ -86,20 +106,33 @@ def grouped_bars(
     plot_w = width - left - 70
     parts = [_legend(series_names, left, 4)]
     if not rows:
-        parts.append(format_html('<text x="{}" y="{}" {}>no data</text>', left, top + 12,
-                                 mark_safe(FONT)))
+        parts.append(
+            format_html('<text x="{}" y="{}" {}>no data</text>', left, top + 12, mark_safe(FONT))
+        )
     for r, (label, values) in enumerate(rows):
         y0 = top + r * group_h
-        parts.append(format_html(
-            '<text x="4" y="{}" {}>{}</text>', y0 + bar_h, mark_safe(FONT), label
-        ))
+        parts.append(
+            format_html('<text x="4" y="{}" {}>{}</text>', y0 + bar_h, mark_safe(FONT), label)
+        )
         for s, value in enumerate(values):
             y = y0 + s * bar_h
             w = value / peak * plot_w
-            parts.append(format_html(
-                '<rect x="{}" y="{}" width="{}" height="{}" fill="{}"><title>{} {}: {}</title>'
-                '</rect><text x="{}" y="{}" {}>{}</text>',
-                left, y, _n(w), bar_h - 2, _color(s), label, series_names[s], value,
-                _n(left + w + 4), y + bar_h - 4, mark_safe(FONT), value,
-            ))
+            parts.append(
+                format_html(
+                    '<rect x="{}" y="{}" width="{}" height="{}" fill="{}"><title>{} {}: {}</title>'
+                    '</rect><text x="{}" y="{}" {}>{}</text>',
+                    left,
+                    y,
+                    _n(w),
+                    bar_h - 2,
+                    _color(s),
+                    label,
+                    series_names[s],
+                    value,
+                    _n(left + w + 4),
+                    y + bar_h - 4,
+                    mark_safe(FONT),
+                    value,
+                )
+            )
     return _svg(title, width, height, "".join(parts))
