@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
+from typing import Any
 
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
@@ -74,14 +76,16 @@ async def create_response(request: HttpRequest) -> HttpResponse:
     key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
     body = validate_response_request(json_body(request))
     if key is None:
-        task = await db_call(_start_direct, token.owner, body)
+        task = await _accepted(db_call(_start_direct, token.owner, body))
     else:
-        task, _ = await db_call(
-            idempotency.start_once,
-            token.owner,
-            key,
-            idempotency.fingerprint("responses", body),
-            lambda: _start_direct(token.owner, body),
+        task, _ = await _accepted(
+            db_call(
+                idempotency.start_once,
+                token.owner,
+                key,
+                idempotency.fingerprint("responses", body),
+                lambda: _start_direct(token.owner, body),
+            )
         )
     if body["stream"]:
         return StreamingHttpResponse(
@@ -94,6 +98,26 @@ async def create_response(request: HttpRequest) -> HttpResponse:
         await asyncio.shield(db_call(task_services.cancel_abandoned, task.id))
         raise
     return await db_call(_final_answer, task.id)
+
+
+async def _accepted(start: Awaitable) -> Any:
+    """Start a generation even if the client leaves meanwhile, and then stop it:
+    the database work cannot be interrupted halfway, and nobody would read
+    what it generates."""
+    started = asyncio.ensure_future(start)
+    try:
+        return await asyncio.shield(started)
+    except asyncio.CancelledError:
+        started.add_done_callback(_cancel_orphan)
+        raise
+
+
+def _cancel_orphan(started: asyncio.Future) -> None:
+    if started.cancelled() or started.exception() is not None:
+        return
+    result = started.result()
+    task = result[0] if isinstance(result, tuple) else result
+    asyncio.ensure_future(db_call(task_services.cancel_abandoned, task.id))
 
 
 async def _direct_stream(task_id: str):  # noqa: ANN202

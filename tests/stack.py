@@ -170,9 +170,7 @@ class Stack:
             self.redis.wait(10)
 
     def client(self, token: str, **kwargs: object) -> httpx.Client:
+        options: dict = {"timeout": httpx.Timeout(120, connect=10), **kwargs}
         return httpx.Client(
-            base_url=self.base_url,
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=httpx.Timeout(120, connect=10),
-            **kwargs,
+            base_url=self.base_url, headers={"Authorization": f"Bearer {token}"}, **options
         )

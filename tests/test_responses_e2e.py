@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 
 from responses_app.models import Response
@@ -135,3 +136,18 @@ def test_queue_waits_are_kept_alive_with_comments(api):
     events = parse_sse(raw)
     assert [e["id"] for e in events] == list(range(1, len(events) + 1))
     assert api.get(f"/lmsp/v1/tasks/{busy['id']}").json()["status"] != "queued"
+
+
+def test_a_synchronous_client_that_gives_up_cancels_its_generation(api, stack, token):
+    assert api.post("/lmsp/v1/responses", json=request_body(max_output_tokens=1)).status_code == 200
+    request = request_body(LONG_STORY, store=True, max_output_tokens=400)
+    with stack.client(token, timeout=httpx.Timeout(3, connect=10)) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            impatient.post("/lmsp/v1/responses", json=request)
+    gave_up = time.monotonic()
+    response = Response.objects.get()
+    while response.status == "in_progress" and time.monotonic() - gave_up < 5:
+        time.sleep(0.05)
+        response.refresh_from_db()
+    assert response.status == "cancelled"
+    assert time.monotonic() - gave_up < 2
