@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from datetime import timedelta
 
 import pytest
-import redis
 from django.contrib.admin.utils import quote
 from django.contrib.auth import get_user_model
 from django.db import transaction
@@ -25,10 +23,6 @@ from tasks_app import lifecycle
 from tasks_app.event_log import EventLog
 from tasks_app.models import Event, Task, TaskStatus, UsageRecord
 from workers import heartbeat
-
-# Redis for the heartbeat tests: the machine's own (the stack fixtures may point
-# settings at a Redis that only runs while the stack does).
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 def change_url(obj) -> str:
@@ -440,12 +434,8 @@ def test_token_list_shows_last_use_and_revoke_action_revokes(admin_client, alice
 
 
 @pytest.fixture
-def own_redis(settings):
-    settings.REDIS_URL = REDIS_URL
-    try:
-        heartbeat._client().ping()
-    except redis.RedisError:
-        pytest.skip(f"no Redis at {REDIS_URL}")
+def own_redis(stack):
+    """The test stack's Redis: settings point at it for the whole session."""
     yield
     heartbeat.forget(["smollm2:135m"], "models-test@host")
 

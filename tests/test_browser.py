@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 from django.contrib.auth import get_user_model
+from playwright import sync_api
 
 from .conftest import request_body, user_message
 
@@ -28,8 +28,6 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 PASSWORD = "correct horse battery staple"
-
-sync_api = pytest.importorskip("playwright.sync_api")
 
 
 @pytest.fixture
@@ -49,7 +47,6 @@ def conversation(api) -> tuple[str, str]:
     return first.json()["id"], second.json()["id"]
 
 
-@pytest.mark.skipif(not shutil.which(CHROMIUM), reason=f"no Chromium at {CHROMIUM}")
 def test_admin_in_chromium(stack, api, conversation):
     first_id, second_id = conversation
     # All database work happens before the browser starts: Playwright's sync
