@@ -52,8 +52,3 @@ class EventLog:
             lambda: notify.publish(task_id, [(e.id, e.event, e.data) for e in stored])
         )
         return stored
-
-    @staticmethod
-    def read_after(task_id: str, after: int, limit: int = 1000) -> list[StoredEvent]:
-        rows = Event.objects.filter(task_id=task_id, seq__gt=after).order_by("seq")[:limit]
-        return [StoredEvent(row.seq, row.type, row.data) for row in rows]

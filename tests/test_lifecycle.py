@@ -13,8 +13,7 @@ from django.utils import timezone
 from responses_app.serializers import validate_response_request
 from responses_app.services import prepare_generation
 from tasks_app import lifecycle
-from tasks_app.event_log import EventLog
-from tasks_app.models import Task, TaskKind, TaskStatus
+from tasks_app.models import Event, Task, TaskKind, TaskStatus
 from tasks_app.services import start_generation
 from workers.runner import run_task
 
@@ -37,7 +36,8 @@ def new_task(**extra) -> Task:
 
 
 def events_of(task: Task) -> list[tuple[int, str, dict]]:
-    return [(e.id, e.event, json.loads(e.data)) for e in EventLog.read_after(task.id, 0)]
+    rows = Event.objects.filter(task=task).order_by("seq").values_list("seq", "type", "data")
+    return [(seq, name, json.loads(data)) for seq, name, data in rows]
 
 
 def test_run_task_writes_one_contiguous_log_and_the_result():
