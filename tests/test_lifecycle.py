@@ -10,6 +10,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.utils import timezone
 
+from responses_app.errors import ProblemError
 from responses_app.serializers import validate_response_request
 from responses_app.services import prepare_generation
 from tasks_app import lifecycle
@@ -17,7 +18,7 @@ from tasks_app.models import Event, Task, TaskKind, TaskStatus
 from tasks_app.services import start_generation
 from workers.runner import run_task
 
-from .conftest import request_body
+from .conftest import make_token, request_body
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -114,3 +115,21 @@ def test_lost_broker_messages_are_sent_again(settings):
     assert lifecycle.sweep().resent == [task.id]
     assert Task.objects.get(id=task.id).enqueued_at > timezone.now() - timedelta(minutes=1)
     assert lifecycle.sweep().resent == []  # not again until it is stale once more
+
+
+def test_a_full_queue_refuses_new_work_with_503(settings, client):
+    settings.LMSP_MAX_QUEUED_PER_MODEL = 1
+    new_task()
+    with pytest.raises(ProblemError) as refused:
+        new_task()
+    assert refused.value.code == "overloaded" and refused.value.status == 503
+    answer = client.post(
+        "/lmsp/v1/tasks",
+        {"type": "response", "request": request_body()},
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {make_token('bob')}"},
+    )
+    assert answer.status_code == 503 and answer["Retry-After"] == "10"
+    assert answer["Content-Type"] == "application/problem+json"
+    assert answer.json()["code"] == "overloaded"
+    assert Task.objects.count() == 1
