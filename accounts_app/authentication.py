@@ -1,24 +1,35 @@
 """DRF glue: bearer authentication and per-view scopes."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.permissions import BasePermission
 
 from .services import authenticate_bearer, require_scope
 
+if TYPE_CHECKING:  # rest_framework.views imports this module through its settings
+    from django.contrib.auth.base_user import AbstractBaseUser
+    from rest_framework.request import Request
+    from rest_framework.views import APIView
+
+    from .models import ApiToken
+
 
 class BearerTokenAuthentication(BaseAuthentication):
-    def authenticate(self, request):  # noqa: ANN001
+    def authenticate(self, request: Request) -> tuple[AbstractBaseUser, ApiToken]:
         token = authenticate_bearer(request.headers.get("Authorization"))
         return (token.owner, token)
 
-    def authenticate_header(self, request) -> str:  # noqa: ANN001
+    def authenticate_header(self, request: Request) -> str:
         return 'Bearer realm="lmsp"'
 
 
 class HasRequiredScope(BasePermission):
     """Views name the scope each method needs in ``required_scopes``."""
 
-    def has_permission(self, request, view) -> bool:  # noqa: ANN001
+    def has_permission(self, request: Request, view: APIView) -> bool:
         method = "GET" if request.method == "HEAD" else request.method
         scope = view.required_scopes.get(method)
         if scope is not None:  # other methods are answered 405 by the view

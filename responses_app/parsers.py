@@ -2,6 +2,7 @@
 
 import json
 import math
+from typing import IO
 
 from rest_framework.exceptions import ParseError
 from rest_framework.parsers import JSONParser
@@ -34,7 +35,12 @@ def loads_strict(raw: bytes) -> object:
 
 
 class StrictJSONParser(JSONParser):
-    def parse(self, stream, media_type=None, parser_context=None):  # noqa: ANN001
+    def parse(
+        self,
+        stream: IO[bytes] | None,
+        media_type: str | None = None,
+        parser_context: dict | None = None,
+    ) -> object:
         raw = stream.read() if stream is not None else b""
         if not raw:
             raise ParseError("the body is empty")
