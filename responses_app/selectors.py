@@ -20,13 +20,16 @@ def stored_response(
     return response
 
 
+def conversation_chain(response: Response) -> list[Response]:
+    """The responses a conversation went through, first turn first, ending with ``response``."""
+    chain = []
+    turn: Response | None = response
+    while turn is not None:
+        chain.append(turn)
+        turn = turn.previous_response
+    return chain[::-1]
+
+
 def conversation_items(response: Response) -> list[dict]:
     """The whole context a response continued from, then its own input and output."""
-    chain = []
-    while response is not None:
-        chain.append(response)
-        response = response.previous_response
-    items: list[dict] = []
-    for turn in reversed(chain):
-        items += turn.input + turn.output
-    return items
+    return [item for turn in conversation_chain(response) for item in turn.input + turn.output]

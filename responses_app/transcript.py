@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from tasks_app.models import Event, Task
 
 from .models import Response
+from .selectors import conversation_chain
 
 # A long generation logs one event per few tokens; the page shows the start.
 TIMELINE_LIMIT = 2000
@@ -80,18 +81,13 @@ def entry(item: dict, source: str) -> Entry:
 
 def conversation(response: Response) -> list[Turn]:
     """Every turn from the first response of the chain to this one, in order."""
-    chain = []
-    turn: Response | None = response
-    while turn is not None:
-        chain.append(turn)
-        turn = turn.previous_response
     return [
         Turn(
             turn,
             [entry(item, "input") for item in turn.input]
             + [entry(item, "output") for item in turn.output],
         )
-        for turn in reversed(chain)
+        for turn in conversation_chain(response)
     ]
 
 
