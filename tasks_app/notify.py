@@ -10,7 +10,6 @@ an event (see ``tasks_app.streams``).
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 from collections import defaultdict
@@ -20,21 +19,18 @@ import redis
 import redis.asyncio as aioredis
 from django.conf import settings
 
+from lmsp_project.redis_client import redis_client
+
 log = logging.getLogger(__name__)
 
 CHANNEL = "lmsp:events"
-
-
-@functools.cache
-def _client(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
 
 
 def publish(task_id: str, events: Iterable[tuple[int, str, str]]) -> None:
     """Announce committed events; a Redis outage is logged, never raised."""
     message = json.dumps({"task": task_id, "events": list(events)})
     try:
-        _client(settings.REDIS_URL).publish(CHANNEL, message)
+        redis_client().publish(CHANNEL, message)
     except redis.RedisError as exc:
         log.warning("Could not publish events of %s: %s", task_id, exc)
 

@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from accounts_app.models import SCOPES, ApiToken
 from accounts_app.services import authenticate_bearer, issue_token
+from lmsp_project.redis_client import redis_client
 from responses_app import protocol
 from responses_app.errors import problem
 from responses_app.ids import new_id
@@ -448,7 +449,7 @@ def test_models_page_shows_registry_and_who_serves_it(admin_client, own_redis):
     assert "models-test@host" not in row
     heartbeat.beat(["smollm2:135m"], "models-test@host")
     assert "models-test@host" in models_row(admin_client, "smollm2:135m")
-    assert 0 < heartbeat._client().ttl(heartbeat._key("smollm2:135m", "models-test@host")) <= 15
+    assert 0 < redis_client().ttl(heartbeat._key("smollm2:135m", "models-test@host")) <= 15
 
 
 def test_models_page_says_unknown_when_redis_is_down(admin_client, settings):

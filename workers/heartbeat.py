@@ -8,7 +8,6 @@ no shutdown hook needed (a clean shutdown removes them at once anyway).
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import threading
@@ -18,7 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import redis
-from django.conf import settings
+
+from lmsp_project.redis_client import redis_client
 
 log = logging.getLogger(__name__)
 
@@ -36,15 +36,6 @@ class Beat:
     at: float  # Unix time of the last beat
 
 
-@functools.cache
-def _connect(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
-
-
-def _client() -> redis.Redis:
-    return _connect(settings.REDIS_URL)
-
-
 def _key(model_id: str, worker: str) -> str:
     return f"{KEY_PREFIX}{worker}|{model_id}"
 
@@ -52,7 +43,7 @@ def _key(model_id: str, worker: str) -> str:
 def beat(model_ids: Iterable[str], worker: str) -> None:
     """Say once that ``worker`` serves these models, for the next ``TTL_SECONDS``."""
     now = time.time()
-    pipe = _client().pipeline(transaction=False)
+    pipe = redis_client().pipeline(transaction=False)
     for model_id in model_ids:
         value = json.dumps({"model": model_id, "worker": worker, "at": now})
         pipe.set(_key(model_id, worker), value, ex=TTL_SECONDS)
@@ -62,13 +53,13 @@ def beat(model_ids: Iterable[str], worker: str) -> None:
 def forget(model_ids: Iterable[str], worker: str) -> None:
     keys = [_key(model_id, worker) for model_id in model_ids]
     if keys:
-        _client().delete(*keys)
+        redis_client().delete(*keys)
 
 
 def serving_workers() -> dict[str, list[Beat]]:
     """Live beats by model id. Raises ``redis.RedisError`` when Redis is down,
     so that the caller can say "unknown" rather than "not served"."""
-    client = _client()
+    client = redis_client()
     keys = list(client.scan_iter(match=f"{KEY_PREFIX}*", count=500))
     served: dict[str, list[Beat]] = defaultdict(list)
     for raw in client.mget(keys) if keys else []:
