@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 
 from .constraints import NO_PARAMETERS
+from .output import TOOL_CLOSE, TOOL_OPEN
 from .registry import ModelSpec
 
 TOOLS_PREAMBLE = """# Tools
@@ -58,7 +59,7 @@ def _arguments(item: dict) -> object:
 
 def _tool_call_text(item: dict) -> str:
     call = json.dumps({"name": item["name"], "arguments": _arguments(item)}, ensure_ascii=False)
-    return f"<tool_call>\n{call}\n</tool_call>"
+    return f"{TOOL_OPEN}\n{call}\n{TOOL_CLOSE}"
 
 
 def chat_messages(items: list[dict], native_tools: bool = False) -> list[dict]:
