@@ -1,20 +1,24 @@
-"""DRF glue: bearer authentication and per-view scopes."""
+"""Bearer authentication and per-view scopes: DRF's policy classes for the
+API views, and ``authenticate`` for the async views DRF does not serve
+(direct responses and event streams)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from django.http import HttpRequest
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.permissions import BasePermission
 
+from lmsp_core.http import db_call
+
+from .models import ApiToken
 from .services import authenticate_bearer, require_scope
 
 if TYPE_CHECKING:  # rest_framework.views imports this module through its settings
     from django.contrib.auth.base_user import AbstractBaseUser
     from rest_framework.request import Request
     from rest_framework.views import APIView
-
-    from .models import ApiToken
 
 
 class BearerTokenAuthentication(BaseAuthentication):
@@ -35,3 +39,14 @@ class HasRequiredScope(BasePermission):
         if scope is not None:  # other methods are answered 405 by the view
             require_scope(request.auth, scope)
         return True
+
+
+def _authenticate(header: str | None, scope: str) -> ApiToken:
+    token = authenticate_bearer(header)
+    require_scope(token, scope)
+    return token
+
+
+async def authenticate(request: HttpRequest, scope: str) -> ApiToken:
+    """The request's token, which must carry ``scope``; else 401 or 403."""
+    return await db_call(_authenticate, request.headers.get("Authorization"), scope)

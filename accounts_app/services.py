@@ -13,7 +13,7 @@ from django.contrib.auth.base_user import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
-from responses_app.errors import ProblemError, unauthorized
+from lmsp_core.errors import ProblemError, unauthorized
 
 from .models import RESERVED_SCOPES, SCOPES, ApiToken
 

@@ -32,9 +32,11 @@ django.setup()
 
 import torch  # noqa: E402
 
-from workers import constraints, prompts  # noqa: E402
+from generation import prompts  # noqa: E402
+from generation.params import GenerationParams  # noqa: E402
+from generation.registry import get_model  # noqa: E402
+from workers import constraints  # noqa: E402
 from workers.loading import LoadedModel, load_model  # noqa: E402
-from workers.registry import get_model  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -74,7 +76,7 @@ class Timed:
 
 
 def generate(
-    lm: LoadedModel, prompt_ids: list[int], tokens: int, params: dict | None
+    lm: LoadedModel, prompt_ids: list[int], tokens: int, params: GenerationParams | None
 ) -> tuple[float, float]:
     """Seconds to generate exactly ``tokens`` tokens (constrained when ``params`` is given),
     and the seconds of that spent compiling the grammar and masking."""
@@ -114,11 +116,9 @@ def main() -> None:
     torch.manual_seed(0)
 
     lm = load_model(get_model(args.model))
-    params = {
-        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}},
-        "tools": [],
-        "tool_choice": "auto",
-    }
+    params = GenerationParams(
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}
+    )
     user = {
         "type": "message",
         "role": "user",

@@ -27,7 +27,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
-    "responses_app.middleware.ProtocolMiddleware",
+    "lmsp_core.middleware.ProtocolMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -80,8 +80,8 @@ REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["accounts_app.authentication.BearerTokenAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["accounts_app.authentication.HasRequiredScope"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["responses_app.parsers.StrictJSONParser"],
-    "EXCEPTION_HANDLER": "responses_app.errors.drf_exception_handler",
+    "DEFAULT_PARSER_CLASSES": ["lmsp_core.jsonbody.StrictJSONParser"],
+    "EXCEPTION_HANDLER": "lmsp_core.errors.drf_exception_handler",
     "UNAUTHENTICATED_USER": None,
 }
 

@@ -2,9 +2,9 @@ from django.contrib import admin
 from django.contrib.staticfiles.views import serve as serve_static
 from django.urls import include, path, re_path
 
+from lmsp_core.errors import ProblemError
+from lmsp_core.http import csrf_free
 from responses_app import views as responses
-from responses_app.errors import ProblemError
-from responses_app.http import csrf_free
 from tasks_app import views as tasks
 
 

@@ -2,13 +2,7 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-
-class ResponseStatus(models.TextChoices):
-    IN_PROGRESS = "in_progress"
-    COMPLETED = "completed"
-    INCOMPLETE = "incomplete"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
+from lmsp_core.status import Status
 
 
 class Response(models.Model):
@@ -23,9 +17,7 @@ class Response(models.Model):
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="responses"
     )
     model = models.CharField(max_length=100, db_index=True)
-    status = models.CharField(
-        max_length=20, choices=ResponseStatus.choices, default=ResponseStatus.IN_PROGRESS
-    )
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.IN_PROGRESS)
     input = models.JSONField(default=list)
     # Generation settings as validated: temperature, max_output_tokens,
     # response_format, tools, tool_choice.

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from django.contrib.auth.base_user import AbstractBaseUser
 
-from .errors import ProblemError
+from lmsp_core.errors import ProblemError
+
 from .models import Response
 
 

@@ -4,26 +4,26 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import Any
 
-from django.contrib.auth.base_user import AbstractBaseUser
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from rest_framework.request import Request
 from rest_framework.response import Response as DRFResponse
 from rest_framework.views import APIView
 
+from accounts_app.authentication import authenticate
+from generation.registry import available_models, get_model
+from lmsp_core import protocol
+from lmsp_core.errors import ProblemError
+from lmsp_core.http import check_method, csrf_free, db_call, json_body
 from tasks_app import idempotency
 from tasks_app import services as task_services
 from tasks_app.models import Task, TaskKind
 from tasks_app.streams import SSE_HEADERS, follow
-from workers.registry import available_models, get_model
 
-from . import protocol
-from .errors import ProblemError
-from .http import authenticate, check_method, csrf_free, db_call, json_body
+from . import records
 from .selectors import stored_response
 from .serializers import validate_response_request
-from .services import prepare_generation
+from .submit import submit
 
 
 class ModelListView(APIView):
@@ -49,15 +49,10 @@ class ResponseDetailView(APIView):
         return DRFResponse(protocol.response_object(response))
 
 
-def _start_direct(owner: AbstractBaseUser, request_body: dict) -> Task:
-    prepared = prepare_generation(owner, request_body)
-    return task_services.start_generation(owner, prepared, TaskKind.DIRECT)
-
-
 def _final_answer(task_id: str) -> HttpResponse:
     task = Task.objects.select_related("response").get(id=task_id)
     body = protocol.response_object(task.response)
-    task_services.discard_unstored(task_id)
+    records.discard_unneeded(delivered_task_id=task_id)
     if task.response.status == "failed":
         error = task.response.error
         raise ProblemError(error["code"], error["detail"])
@@ -75,18 +70,9 @@ async def create_response(request: HttpRequest) -> HttpResponse:
     token = await authenticate(request, "responses:write")
     key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
     body = validate_response_request(json_body(request))
-    if key is None:
-        task = await _accepted(db_call(_start_direct, token.owner, body))
-    else:
-        task, _ = await _accepted(
-            db_call(
-                idempotency.start_once,
-                token.owner,
-                key,
-                idempotency.fingerprint("responses", body),
-                lambda: _start_direct(token.owner, body),
-            )
-        )
+    task = await _accepted(
+        db_call(submit, token.owner, body, kind=TaskKind.DIRECT, idempotency_key=key)
+    )
     if body["stream"]:
         return StreamingHttpResponse(
             _direct_stream(task.id), content_type="text/event-stream", headers=SSE_HEADERS
@@ -100,7 +86,7 @@ async def create_response(request: HttpRequest) -> HttpResponse:
     return await db_call(_final_answer, task.id)
 
 
-async def _accepted(start: Awaitable) -> Any:
+async def _accepted(start: Awaitable[Task]) -> Task:
     """Start a generation even if the client leaves meanwhile, and then stop it:
     the database work cannot be interrupted halfway, and nobody would read
     what it generates."""
@@ -115,9 +101,7 @@ async def _accepted(start: Awaitable) -> Any:
 def _cancel_orphan(started: asyncio.Future) -> None:
     if started.cancelled() or started.exception() is not None:
         return
-    result = started.result()
-    task = result[0] if isinstance(result, tuple) else result
-    asyncio.ensure_future(db_call(task_services.cancel_abandoned, task.id))
+    asyncio.ensure_future(db_call(task_services.cancel_abandoned, started.result().id))
 
 
 async def _direct_stream(task_id: str):  # noqa: ANN202
@@ -128,6 +112,6 @@ async def _direct_stream(task_id: str):  # noqa: ANN202
         delivered = True
     finally:
         if delivered:
-            await db_call(task_services.discard_unstored, task_id)
+            await db_call(records.discard_unneeded, delivered_task_id=task_id)
         else:  # the client went away mid-stream
             await asyncio.shield(db_call(task_services.cancel_abandoned, task_id))

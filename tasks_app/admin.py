@@ -4,7 +4,7 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from responses_app.errors import ProblemError
+from lmsp_core.errors import ProblemError
 
 from . import lifecycle
 from .models import Task

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from django.db import transaction
 from django.utils import timezone
 
-from responses_app.protocol import dumps
+from lmsp_core.protocol import dumps
 
 from . import notify
 from .models import Event, Task

@@ -13,7 +13,7 @@ from django.contrib.auth.base_user import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from responses_app.errors import ProblemError
+from lmsp_core.errors import ProblemError
 
 from .models import IdempotencyKey, Task
 
@@ -42,11 +42,9 @@ def _expiry_cutoff() -> timezone.datetime:
     return timezone.now() - timedelta(seconds=settings.LMSP_IDEMPOTENCY_TTL_SECONDS)
 
 
-def start_once(
-    owner: AbstractBaseUser, key: str, print_: str, start: Callable[[], Task]
-) -> tuple[Task, bool]:
+def start_once(owner: AbstractBaseUser, key: str, print_: str, start: Callable[[], Task]) -> Task:
     """The task for this key: started now by ``start`` or found from an earlier
-    request. Returns (task, replayed)."""
+    request."""
     IdempotencyKey.objects.filter(owner=owner, key=key, created_at__lt=_expiry_cutoff()).delete()
     try:
         with transaction.atomic():
@@ -66,7 +64,7 @@ def start_once(
                 param=HEADER,
                 headers={"Retry-After": "1"},
             ) from None
-        return existing.task, True
+        return existing.task
     try:
         with transaction.atomic():
             task = start()
@@ -74,18 +72,10 @@ def start_once(
     except BaseException:
         claim.delete()  # refused or failed: the key is free again
         raise
-    return task, False
+    return task
 
 
 def forget_expired() -> int:
-    """Drop keys older than their TTL (and the unstored responses they kept)."""
-    from responses_app.models import Response
-
-    expired = IdempotencyKey.objects.filter(created_at__lt=_expiry_cutoff())
-    Response.objects.filter(
-        task__idempotencykey__in=expired,
-        task__kind="direct",
-        store=False,
-        status__in=("completed", "incomplete", "failed", "cancelled"),
-    ).delete()
-    return expired.delete()[0]
+    """Drop keys older than their TTL; what they kept for replays can then go
+    (``responses_app.records.discard_unneeded``)."""
+    return IdempotencyKey.objects.filter(created_at__lt=_expiry_cutoff()).delete()[0]

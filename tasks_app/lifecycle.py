@@ -18,13 +18,16 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from generation.output import OutputAssembler
+from generation.registry import declared_models
+from lmsp_core import protocol
+from lmsp_core.errors import ProblemError, problem
+from lmsp_core.status import Status
 from lmsp_project.celery import app as celery_app
-from responses_app import protocol
-from responses_app.errors import ProblemError, problem
-from responses_app.models import Response
 
 from .event_log import EventLog
-from .models import Task, TaskStatus, UsageRecord
+from .models import Task, UsageRecord
+from .signals import task_finished, task_reopened
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +76,10 @@ def _locked(task_id: str) -> Task | None:
 def claim(task_id: str, worker: str) -> Task | None:
     """Take a queued task for this worker; None when it is not (or no longer) queued."""
     task = _locked(task_id)
-    if task is None or task.status != TaskStatus.QUEUED:
+    if task is None or task.status != Status.QUEUED:
         return None
     now = timezone.now()
-    task.status = TaskStatus.IN_PROGRESS
+    task.status = Status.IN_PROGRESS
     task.attempt += 1
     task.worker = worker
     task.started_at = task.started_at or now
@@ -87,7 +90,7 @@ def claim(task_id: str, worker: str) -> Task | None:
 
 def _owned(task_id: str, attempt: int) -> Task | None:
     task = _locked(task_id)
-    if task is None or task.attempt != attempt or task.status != TaskStatus.IN_PROGRESS:
+    if task is None or task.attempt != attempt or task.status != Status.IN_PROGRESS:
         return None
     return task
 
@@ -109,9 +112,9 @@ def record_progress(
 
 def renew_lease(task_id: str, attempt: int) -> bool:
     """Extend a running task's lease; False once the task was handed on."""
-    renewed = Task.objects.filter(
-        id=task_id, attempt=attempt, status=TaskStatus.IN_PROGRESS
-    ).update(lease_expires_at=_lease_deadline())
+    renewed = Task.objects.filter(id=task_id, attempt=attempt, status=Status.IN_PROGRESS).update(
+        lease_expires_at=_lease_deadline()
+    )
     return renewed == 1
 
 
@@ -135,14 +138,7 @@ def _finalize(task: Task, events: list[tuple[str, dict]], outcome: Outcome) -> N
     task.lease_expires_at = None
     task.checkpoint = None
     task.save()
-    Response.objects.filter(id=task.response_id).update(
-        status=outcome.status,
-        output=outcome.output,
-        output_tokens=outcome.output_tokens,
-        error=outcome.error,
-        incomplete_details=outcome.incomplete_details,
-        completed_at=now,
-    )
+    task_finished.send(sender=Task, task=task, outcome=outcome)
     UsageRecord.objects.filter(response_id=task.response_id).update(
         status=outcome.status, output_tokens=outcome.output_tokens, completed_at=now
     )
@@ -150,13 +146,11 @@ def _finalize(task: Task, events: list[tuple[str, dict]], outcome: Outcome) -> N
 
 def _partial_outcome(task: Task, status: str, error: dict | None = None) -> tuple[list, Outcome]:
     """Close what a worker left open (its checkpoint) when the worker cannot."""
-    from workers.output import OutputAssembler  # the assembler owns the item state
-
     checkpoint = task.checkpoint or {}
     assembler = OutputAssembler(task.response_id, checkpoint.get("assembler"))
     events = assembler.close()
     usage = protocol.usage(task.response.input_tokens, len(checkpoint.get("token_ids", [])))
-    if status == TaskStatus.CANCELLED:
+    if status == Status.CANCELLED:
         events.append(protocol.cancelled_event(task.response_id, usage))
     else:
         events.append(protocol.failed_event(task.response_id, error))
@@ -177,8 +171,8 @@ def request_cancel(task_id: str) -> Task:
         raise ProblemError(
             "task_not_cancellable", f"Task {task.id} is already {task.status}.", param="task_id"
         )
-    if task.status == TaskStatus.QUEUED:
-        _finalize(task, *_partial_outcome(task, TaskStatus.CANCELLED))
+    if task.status == Status.QUEUED:
+        _finalize(task, *_partial_outcome(task, Status.CANCELLED))
     elif not task.cancel_requested:
         task.cancel_requested = True
         task.save(update_fields=["cancel_requested"])
@@ -194,29 +188,27 @@ class SweepReport:
 
 def sweep() -> SweepReport:
     """Hand on tasks whose worker stopped renewing its lease; re-send lost messages."""
-    from workers.registry import declared_models
-
     report = SweepReport()
     now = timezone.now()
-    expired = Task.objects.filter(status=TaskStatus.IN_PROGRESS, lease_expires_at__lt=now)
+    expired = Task.objects.filter(status=Status.IN_PROGRESS, lease_expires_at__lt=now)
     for task_id in expired.values_list("id", flat=True):
         with transaction.atomic():
             task = Task.objects.select_for_update().select_related("response").get(id=task_id)
-            if task.status != TaskStatus.IN_PROGRESS or task.lease_expires_at >= now:
+            if task.status != Status.IN_PROGRESS or task.lease_expires_at >= now:
                 continue
             if task.cancel_requested:
-                _finalize(task, *_partial_outcome(task, TaskStatus.CANCELLED))
+                _finalize(task, *_partial_outcome(task, Status.CANCELLED))
                 report.ended.append(task.id)
             elif task.attempt >= settings.LMSP_MAX_ATTEMPTS:
                 error = problem(
                     "worker_lost",
                     f"The worker running this task was lost {task.attempt} times; giving up.",
                 )
-                _finalize(task, *_partial_outcome(task, TaskStatus.FAILED, error))
+                _finalize(task, *_partial_outcome(task, Status.FAILED, error))
                 report.ended.append(task.id)
             else:
                 log.warning("Lease of %s (attempt %s) expired; re-queueing", task.id, task.attempt)
-                task.status = TaskStatus.QUEUED
+                task.status = Status.QUEUED
                 task.worker = ""
                 task.lease_expires_at = None
                 task.enqueued_at = now
@@ -224,9 +216,9 @@ def sweep() -> SweepReport:
                 enqueue_on_commit(task, declared_models()[task.model].queue)
                 report.requeued.append(task.id)
     stale = now - timedelta(seconds=settings.LMSP_REQUEUE_AFTER_SECONDS)
-    lost = Task.objects.filter(status=TaskStatus.QUEUED, enqueued_at__lt=stale)
+    lost = Task.objects.filter(status=Status.QUEUED, enqueued_at__lt=stale)
     for task in lost.only("id", "model"):
-        Task.objects.filter(id=task.id, status=TaskStatus.QUEUED).update(enqueued_at=now)
+        Task.objects.filter(id=task.id, status=Status.QUEUED).update(enqueued_at=now)
         send_job(task.id, declared_models()[task.model].queue)
         report.resent.append(task.id)
     return report
@@ -236,20 +228,20 @@ def sweep() -> SweepReport:
 def requeue_failed(task_id: str) -> Task:
     """Run a failed task again (an operator's decision, from the admin).
 
-    The attempt number is kept, so a worker of an earlier attempt still cannot
-    write, and the log goes on after its ``response.failed`` with a fresh
-    ``response.created``: ids never repeat, and a reader sees a new run start.
+    The attempt counter goes on from where it stopped (the next claim takes
+    the next number), so no worker of an earlier attempt can write again; the
+    sweeper's ``LMSP_MAX_ATTEMPTS`` counts those earlier attempts too. The log
+    goes on after its ``response.failed`` with a fresh ``response.created``:
+    ids never repeat, and a reader sees a new run start.
     """
-    from workers.registry import declared_models
-
     task = Task.objects.select_for_update().select_related("response").get(id=task_id)
-    if task.status != TaskStatus.FAILED:
+    if task.status != Status.FAILED:
         raise ProblemError(
             "invalid_request",
             f"Task {task.id} is {task.status}; only a failed task can be re-queued.",
         )
     EventLog.append(task, [protocol.created_event(task.response_id)])
-    task.status = TaskStatus.QUEUED
+    task.status = Status.QUEUED
     task.error = None
     task.completed_at = None
     task.worker = ""
@@ -258,13 +250,6 @@ def requeue_failed(task_id: str) -> Task:
     task.checkpoint = None
     task.enqueued_at = timezone.now()
     task.save()
-    Response.objects.filter(id=task.response_id).update(
-        status=TaskStatus.IN_PROGRESS,  # the response's status names are the task's
-        output=[],
-        output_tokens=0,
-        error=None,
-        incomplete_details=None,
-        completed_at=None,
-    )
+    task_reopened.send(sender=Task, task=task)
     enqueue_on_commit(task, declared_models()[task.model].queue)
     return task

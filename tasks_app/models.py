@@ -2,19 +2,7 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-
-class TaskStatus(models.TextChoices):
-    QUEUED = "queued"
-    IN_PROGRESS = "in_progress"
-    COMPLETED = "completed"
-    INCOMPLETE = "incomplete"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-FINAL_STATUSES = frozenset(
-    {TaskStatus.COMPLETED, TaskStatus.INCOMPLETE, TaskStatus.FAILED, TaskStatus.CANCELLED}
-)
+from lmsp_core.status import FINAL_STATUSES, Status
 
 
 class TaskKind(models.TextChoices):
@@ -30,7 +18,7 @@ class Task(models.Model):
     Every response is generated through a task; ``kind`` says whether the
     client asked for one. ``attempt`` fences the worker that owns the job:
     each write of a worker names the attempt it was given, so a worker that
-    was presumed dead can no longer write (see ``tasks_app.event_log``).
+    was presumed dead can no longer write (see ``tasks_app.lifecycle``).
     """
 
     id = models.CharField(primary_key=True, max_length=40, editable=False)
@@ -43,7 +31,7 @@ class Task(models.Model):
     )
     model = models.CharField(max_length=100, db_index=True)
     status = models.CharField(
-        max_length=20, choices=TaskStatus.choices, default=TaskStatus.QUEUED, db_index=True
+        max_length=20, choices=Status.choices, default=Status.QUEUED, db_index=True
     )
     error = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
@@ -61,7 +49,7 @@ class Task(models.Model):
     last_event_id = models.PositiveIntegerField(default=0)
     pruned_through = models.PositiveIntegerField(default=0)
     # Where generation stands, written with each flush of events so that a new
-    # attempt continues exactly where the log ends (see workers.output).
+    # attempt continues exactly where the log ends (see generation.output).
     checkpoint = models.JSONField(null=True, blank=True)
 
     class Meta:
@@ -135,7 +123,7 @@ class UsageRecord(models.Model):
     )
     model = models.CharField(max_length=100, db_index=True)
     kind = models.CharField(max_length=10, choices=TaskKind.choices)
-    status = models.CharField(max_length=20, choices=TaskStatus.choices)
+    status = models.CharField(max_length=20, choices=Status.choices)
     input_tokens = models.PositiveIntegerField(default=0)
     output_tokens = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(db_index=True)

@@ -1,4 +1,6 @@
-"""Retention: events go some time after their task ends, tasks later still."""
+"""Retention of task history: events go some time after their task ends, tasks
+later still. ``responses_app.retention.prune_history`` runs these in order,
+with the responses nobody needs any more."""
 
 from __future__ import annotations
 
@@ -9,10 +11,9 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from responses_app.models import Response
+from lmsp_core.status import FINAL_STATUSES
 
-from .idempotency import forget_expired
-from .models import FINAL_STATUSES, Event, Task, TaskKind
+from .models import Event, Task, TaskKind
 
 
 def prune_events(older_than: float | None = None) -> int:
@@ -34,32 +35,13 @@ def prune_events(older_than: float | None = None) -> int:
             removed += Event.objects.filter(task=task, seq__lte=task.last_event_id).delete()[0]
             task.pruned_through = task.last_event_id
             task.save(update_fields=["pruned_through"])
-    prune_tasks()
-    discard_abandoned()
-    forget_expired()
     return removed
 
 
-def prune_tasks() -> int:
-    """Forget tasks past ``LMSP_TASK_RETENTION_SECONDS``; stored responses stay."""
+def forget_expired_tasks() -> int:
+    """Forget tasks past ``LMSP_TASK_RETENTION_SECONDS``; their stored responses stay."""
     cutoff = timezone.now() - timedelta(seconds=settings.LMSP_TASK_RETENTION_SECONDS)
     expired = Task.objects.filter(
         kind=TaskKind.TASK, status__in=FINAL_STATUSES, completed_at__lte=cutoff
     )
-    unstored = Response.objects.filter(task__in=expired, store=False)
-    count = expired.count()
-    unstored.delete()  # cascades to their tasks
-    expired.delete()
-    return count
-
-
-def discard_abandoned() -> int:
-    """Direct ``store: false`` responses whose client left before delivery
-    (a minute after they ended, so an answer being sent is never pulled away)."""
-    return Response.objects.filter(
-        task__kind=TaskKind.DIRECT,
-        task__status__in=FINAL_STATUSES,
-        task__completed_at__lt=timezone.now() - timedelta(seconds=60),
-        task__idempotencykey__isnull=True,
-        store=False,
-    ).delete()[0]
+    return expired.delete()[0]

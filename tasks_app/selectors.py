@@ -5,9 +5,10 @@ from __future__ import annotations
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.db.models import QuerySet
 
-from responses_app.errors import ProblemError
+from lmsp_core.errors import ProblemError
+from lmsp_core.status import Status
 
-from .models import Task, TaskKind, TaskStatus
+from .models import Task, TaskKind
 
 
 def owned_task(owner: AbstractBaseUser, task_id: str) -> Task:
@@ -40,4 +41,4 @@ def task_page(
     return page[:limit], len(page) > limit
 
 
-STATUSES = [choice.value for choice in TaskStatus]
+STATUSES = [choice.value for choice in Status]

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 
 from django.conf import settings
 
-from responses_app.protocol import FINAL_EVENTS, KEEPALIVE_FRAME, sse_frame
+from lmsp_core.protocol import FINAL_EVENTS, KEEPALIVE_FRAME, sse_frame
 
 from . import event_reader
 from .models import FINAL_STATUSES

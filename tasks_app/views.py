@@ -7,18 +7,14 @@ from rest_framework.request import Request
 from rest_framework.response import Response as DRFResponse
 from rest_framework.views import APIView
 
-from responses_app import protocol
-from responses_app.errors import ProblemError
-from responses_app.http import authenticate, check_method, csrf_free, db_call
-from responses_app.serializers import (
-    TaskRequestSerializer,
-    validate_response_request,
-    validation_problem,
-)
-from responses_app.services import prepare_generation
+from accounts_app.authentication import authenticate
+from lmsp_core import protocol
+from lmsp_core.errors import ProblemError
+from lmsp_core.http import check_method, csrf_free, db_call
+from lmsp_core.validation import validation_problem
 
-from . import idempotency, selectors, services
-from .models import Task, TaskKind
+from . import idempotency, selectors, services, task_types
+from .serializers import TaskRequestSerializer
 from .streams import SSE_HEADERS, follow
 
 
@@ -39,19 +35,8 @@ class TaskCollectionView(APIView):
         serializer = TaskRequestSerializer(data=request.data)
         if not serializer.is_valid():
             raise validation_problem(serializer.errors)
-        body = dict(serializer.validated_data["request"])
-        body.pop("stream", None)  # a task is always followed through its events
-        validated = validate_response_request(body, prefix="request")
-        prepared = prepare_generation(request.user, validated, param_prefix="request")
-
-        def start() -> Task:
-            return services.start_generation(request.user, prepared, TaskKind.TASK)
-
-        if key is None:
-            task = start()
-        else:
-            print_ = idempotency.fingerprint("tasks", validated)
-            task, _ = idempotency.start_once(request.user, key, print_, start)
+        start = task_types.starter(serializer.validated_data["type"])
+        task = start(request.user, serializer.validated_data["request"], key)
         return DRFResponse(
             protocol.task_object(task),
             status=202,

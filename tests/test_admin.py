@@ -15,15 +15,16 @@ from django.utils import timezone
 
 from accounts_app.models import SCOPES, ApiToken
 from accounts_app.services import authenticate_bearer, issue_token
+from generation import heartbeat
+from lmsp_core import protocol
+from lmsp_core.errors import problem
+from lmsp_core.ids import new_id
+from lmsp_core.status import Status
 from lmsp_project.redis_client import redis_client
-from responses_app import protocol
-from responses_app.errors import problem
-from responses_app.ids import new_id
 from responses_app.models import Response
 from tasks_app import lifecycle
 from tasks_app.event_log import EventLog
-from tasks_app.models import Event, Task, TaskStatus, UsageRecord
-from workers import heartbeat
+from tasks_app.models import Event, Task, UsageRecord
 
 
 def change_url(obj) -> str:
@@ -348,7 +349,7 @@ def test_requeue_action_puts_a_failed_task_back_in_the_queue(
     assert f"Task {done.id} is completed; only a failed task can be re-queued." in html
     assert sent == [(failed.id, "lmsp.model.smollm2-135m")]  # once the reset is committed
     failed.refresh_from_db()
-    assert failed.status == TaskStatus.QUEUED
+    assert failed.status == Status.QUEUED
     assert failed.attempt == 3  # the fence: workers of attempts 1-3 stay locked out
     assert failed.error is None and failed.worker == "" and failed.checkpoint is None
     assert failed.completed_at is None

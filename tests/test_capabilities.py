@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from responses_app.errors import ProblemError
+from generation.registry import available_models, declared_models
+from lmsp_core.errors import ProblemError
 from responses_app.serializers import validate_response_request
-from responses_app.services import prepare_generation
-from workers.registry import available_models, declared_models
+from responses_app.submit import prepare_generation
 
 from .conftest import request_body
 

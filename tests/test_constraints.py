@@ -8,9 +8,11 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
-from workers import constraints, engine, prompts
+from generation import prompts, schemas
+from generation.params import GenerationParams
+from generation.registry import get_model
+from workers import constraints, engine
 from workers.loading import load_model
-from workers.registry import get_model
 
 WEATHER = {
     "type": "function",
@@ -55,7 +57,7 @@ def lm():  # noqa: ANN201
     return load_model(get_model("smollm2:135m"))
 
 
-def accepts(lm, params: dict, text: str) -> bool:
+def accepts(lm, params: GenerationParams, text: str) -> bool:
     """Whether ``text`` is a whole answer the request's grammar allows."""
     matcher = xgr.GrammarMatcher(constraints.compiled_grammar(lm, params))
     return matcher.accept_string(text) and matcher.is_completed()
@@ -65,7 +67,9 @@ def tokens(lm, text: str) -> list[int]:
     return lm.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def generate(lm, params: dict, prompt: list[int], generated: list[int], limit: int) -> list[int]:
+def generate(
+    lm, params: GenerationParams, prompt: list[int], generated: list[int], limit: int
+) -> list[int]:
     """Continue ``generated`` (already produced) by up to ``limit`` tokens, as the runner does."""
     out = list(generated)
 
@@ -85,7 +89,7 @@ def generate(lm, params: dict, prompt: list[int], generated: list[int], limit: i
     return out
 
 
-def prompt_ids(lm, params: dict, text: str) -> list[int]:
+def prompt_ids(lm, params: GenerationParams, text: str) -> list[int]:
     return tokens(lm, prompts.render_prompt(lm.spec, lm.tokenizer, [message("user", text)], params))
 
 
@@ -93,14 +97,14 @@ def prompt_ids(lm, params: dict, text: str) -> list[int]:
 
 
 def test_plain_text_has_no_grammar(lm):
-    params = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "auto"}
-    assert constraints.grammar_format(params) is None
+    params = GenerationParams(response_format={"type": "text"}, tools=[], tool_choice="auto")
+    assert schemas.grammar_format(params) is None
     assert constraints.logits_processors(lm, params, []) == []
     assert constraints.ended(lm, params, tokens(lm, "Hello there.")) is False
 
 
 def test_json_schema_grammar_accepts_valid_and_rejects_invalid(lm):
-    params = {"response_format": json_format(PERSON)}
+    params = GenerationParams(response_format=json_format(PERSON))
     assert accepts(lm, params, '{"name": "Ada", "age": 36}')
     assert not accepts(lm, params, '{"name": "Ada"}')  # required field missing
     assert not accepts(lm, params, '{"name": "Ada", "age": "36"}')  # wrong type
@@ -109,7 +113,7 @@ def test_json_schema_grammar_accepts_valid_and_rejects_invalid(lm):
 
 
 def test_required_allows_only_a_call_of_a_listed_tool(lm):
-    params = {"tools": [WEATHER, TIME], "tool_choice": "required"}
+    params = GenerationParams(tools=[WEATHER, TIME], tool_choice="required")
     assert accepts(lm, params, call_text("get_weather", {"city": "Oslo", "unit": "celsius"}))
     assert accepts(lm, params, call_text("get_time", {"zone": "UTC"}))
     assert not accepts(lm, params, call_text("get_weather", {"city": "Oslo", "unit": "kelvin"}))
@@ -119,13 +123,15 @@ def test_required_allows_only_a_call_of_a_listed_tool(lm):
 
 
 def test_named_tool_choice_allows_only_that_tool(lm):
-    params = {"tools": [WEATHER, TIME], "tool_choice": {"type": "function", "name": "get_time"}}
+    params = GenerationParams(
+        tools=[WEATHER, TIME], tool_choice={"type": "function", "name": "get_time"}
+    )
     assert accepts(lm, params, call_text("get_time", {"zone": "UTC"}))
     assert not accepts(lm, params, call_text("get_weather", {"city": "Oslo", "unit": "celsius"}))
 
 
 def test_auto_allows_text_and_constrains_a_call_once_started(lm):
-    params = {"tools": [WEATHER], "tool_choice": "auto"}
+    params = GenerationParams(tools=[WEATHER], tool_choice="auto")
     assert accepts(lm, params, "It is probably sunny.")
     call = call_text("get_weather", {"city": "Oslo", "unit": "celsius"})
     assert accepts(lm, params, f"Let me look that up.\n{call}")
@@ -134,16 +140,18 @@ def test_auto_allows_text_and_constrains_a_call_once_started(lm):
 
 
 def test_none_never_opens_a_call(lm):
-    params = {"tools": [WEATHER], "tool_choice": "none"}
+    params = GenerationParams(tools=[WEATHER], tool_choice="none")
     assert accepts(lm, params, "It is probably sunny.")
     assert not accepts(lm, params, call_text("get_weather", {"city": "Oslo", "unit": "celsius"}))
 
 
 def test_compiled_grammars_are_cached_per_schema(lm):
-    params = {"response_format": json_format(PERSON)}
-    same = {"response_format": json_format(json.loads(json.dumps(PERSON)))}
+    params = GenerationParams(response_format=json_format(PERSON))
+    same = GenerationParams(response_format=json_format(json.loads(json.dumps(PERSON))))
     assert constraints.compiled_grammar(lm, params) is constraints.compiled_grammar(lm, same)
-    other = {"response_format": json_format({"type": "array", "items": {"type": "integer"}})}
+    other = GenerationParams(
+        response_format=json_format({"type": "array", "items": {"type": "integer"}})
+    )
     assert constraints.compiled_grammar(lm, other) is not constraints.compiled_grammar(lm, params)
 
 
@@ -151,23 +159,23 @@ def test_compiled_grammars_are_cached_per_schema(lm):
 
 
 def test_ended_once_the_json_is_complete(lm):
-    params = {"response_format": json_format(PERSON)}
+    params = GenerationParams(response_format=json_format(PERSON))
     assert constraints.ended(lm, params, tokens(lm, '{"name": "Ada", "age": 36}'))
     assert not constraints.ended(lm, params, tokens(lm, '{"name": "Ada", "age": 3'))
 
 
 def test_ended_after_a_required_call_but_not_in_auto_text(lm):
     call = tokens(lm, call_text("get_weather", {"city": "Oslo", "unit": "celsius"}))
-    assert constraints.ended(lm, {"tools": [WEATHER], "tool_choice": "required"}, call)
+    assert constraints.ended(lm, GenerationParams(tools=[WEATHER], tool_choice="required"), call)
     # in auto mode the model may go on writing after a call
-    assert not constraints.ended(lm, {"tools": [WEATHER], "tool_choice": "auto"}, call)
+    assert not constraints.ended(lm, GenerationParams(tools=[WEATHER], tool_choice="auto"), call)
 
 
 # --- generation and resuming --------------------------------------------------------
 
 
 def test_generated_json_validates(lm):
-    params = {"response_format": json_format(PERSON), "tools": [], "tool_choice": "auto"}
+    params = GenerationParams(response_format=json_format(PERSON), tools=[], tool_choice="auto")
     ids = prompt_ids(lm, params, "Invent a person.")
     out = generate(lm, params, ids, [], limit=40)
     answer = json.loads(lm.tokenizer.decode(out))
@@ -176,7 +184,7 @@ def test_generated_json_validates(lm):
 
 
 def test_resumed_generation_advances_the_grammar_through_earlier_tokens(lm):
-    params = {"tools": [WEATHER], "tool_choice": "required"}
+    params = GenerationParams(tools=[WEATHER], tool_choice="required")
     ids = prompt_ids(lm, params, "What is the weather in Oslo?")
     first = generate(lm, params, ids, [], limit=12)  # an attempt cut short
     assert len(first) == 12 and not constraints.ended(lm, params, first)
@@ -190,7 +198,7 @@ def test_resumed_generation_advances_the_grammar_through_earlier_tokens(lm):
 
 
 def test_tokens_that_break_the_grammar_are_refused_on_resume(lm):
-    params = {"response_format": json_format(PERSON)}
+    params = GenerationParams(response_format=json_format(PERSON))
     with pytest.raises(ValueError, match="breaks the grammar"):
         constraints.logits_processors(lm, params, tokens(lm, "Hello"))
 
@@ -200,15 +208,15 @@ def test_tokens_that_break_the_grammar_are_refused_on_resume(lm):
 
 def test_schema_problem_names_the_schema_and_the_reason():
     bad_pattern = {"type": "string", "pattern": "(["}
-    problem = constraints.schema_problem({"response_format": json_format(bad_pattern)})
+    problem = schemas.schema_problem(GenerationParams(response_format=json_format(bad_pattern)))
     assert problem is not None
     param, detail = problem
     assert param == "response_format.json_schema.schema"
     assert "Regex" in detail and "/project/" not in detail
     bad_tool = {**TIME, "name": "broken", "parameters": {"type": "frob"}}
-    param, detail = constraints.schema_problem({"tools": [WEATHER, bad_tool]})
+    param, detail = schemas.schema_problem(GenerationParams(tools=[WEATHER, bad_tool]))
     assert param == "tools[1].parameters" and "frob" in detail
-    assert constraints.schema_problem({"tools": [WEATHER, TIME]}) is None
+    assert schemas.schema_problem(GenerationParams(tools=[WEATHER, TIME])) is None
 
 
 # --- prompts ------------------------------------------------------------------------
@@ -219,7 +227,7 @@ def test_tools_preamble_is_merged_into_the_system_message(lm):
         message("system", "Be brief."),
         message("user", "Hi"),
     ]
-    params = {"tools": [WEATHER, TIME], "tool_choice": "auto"}
+    params = GenerationParams(tools=[WEATHER, TIME], tool_choice="auto")
     assert not prompts.has_native_tools(lm.tokenizer)  # SmolLM2's template knows no tools
     prompt = prompts.render_prompt(lm.spec, lm.tokenizer, items, params)
     assert prompt.count("<|im_start|>system") == 1
@@ -231,17 +239,19 @@ def test_tools_preamble_is_merged_into_the_system_message(lm):
 
 def test_tool_choice_decides_which_tools_the_model_is_shown(lm):
     user = [message("user", "Hi")]
-    named = {"tools": [WEATHER, TIME], "tool_choice": {"type": "function", "name": "get_time"}}
+    named = GenerationParams(
+        tools=[WEATHER, TIME], tool_choice={"type": "function", "name": "get_time"}
+    )
     prompt = prompts.render_prompt(lm.spec, lm.tokenizer, user, named)
     assert '"get_time"' in prompt and '"get_weather"' not in prompt
-    none = {"tools": [WEATHER], "tool_choice": "none"}
+    none = GenerationParams(tools=[WEATHER], tool_choice="none")
     assert "<tools>" not in prompts.render_prompt(lm.spec, lm.tokenizer, user, none)
 
 
 def test_json_schema_instruction_is_in_the_system_prompt(lm):
     user = [message("user", "Hi")]
     prompt = prompts.render_prompt(
-        lm.spec, lm.tokenizer, user, {"response_format": json_format(PERSON)}
+        lm.spec, lm.tokenizer, user, GenerationParams(response_format=json_format(PERSON))
     )
     assert prompt.startswith("<|im_start|>system\nAnswer with a JSON value only")
     assert json.dumps(PERSON) in prompt

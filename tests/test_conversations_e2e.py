@@ -13,7 +13,7 @@ from django.test import Client
 from django.urls import reverse
 from django.utils.html import escape
 
-from responses_app.ids import new_id
+from lmsp_core.ids import new_id
 from responses_app.models import Response
 from tasks_app.models import Event, Task
 

@@ -10,12 +10,12 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.utils import timezone
 
-from responses_app.errors import ProblemError
+from lmsp_core.errors import ProblemError
+from lmsp_core.status import Status
 from responses_app.serializers import validate_response_request
-from responses_app.services import prepare_generation
+from responses_app.submit import prepare_generation, start_generation
 from tasks_app import lifecycle
-from tasks_app.models import Event, Task, TaskKind, TaskStatus
-from tasks_app.services import start_generation
+from tasks_app.models import Event, Task, TaskKind
 from workers.runner import run_task
 
 from .conftest import make_token, request_body
@@ -65,10 +65,10 @@ def test_a_worker_whose_attempt_was_superseded_cannot_write():
     assert progress.owned is False
     assert lifecycle.renew_lease(task.id, claimed.attempt) is False
     assert lifecycle.renew_lease(task.id, claimed.attempt + 1) is True
-    outcome = lifecycle.Outcome(status=TaskStatus.COMPLETED)
+    outcome = lifecycle.Outcome(status=Status.COMPLETED)
     assert lifecycle.finish(task.id, claimed.attempt, [delta], outcome) is False
     assert [name for _, name, _ in events_of(task)] == ["response.created"]
-    assert Task.objects.get(id=task.id).status == TaskStatus.IN_PROGRESS
+    assert Task.objects.get(id=task.id).status == Status.IN_PROGRESS
 
 
 def test_cancel_flag_stops_the_run_at_its_first_step():
@@ -76,7 +76,7 @@ def test_cancel_flag_stops_the_run_at_its_first_step():
     Task.objects.filter(id=task.id).update(cancel_requested=True)  # as if asked mid-claim
     assert run_task(task.id, "w1") == "cancelled"
     task.refresh_from_db()
-    assert task.status == TaskStatus.CANCELLED
+    assert task.status == Status.CANCELLED
     assert events_of(task)[-1][1] == "response.cancelled"
 
 
@@ -90,10 +90,10 @@ def test_expired_leases_are_requeued_until_attempts_run_out(settings):
         report = lifecycle.sweep()
         if attempt == 1:
             assert report.requeued == [task.id]
-            assert Task.objects.get(id=task.id).status == TaskStatus.QUEUED
+            assert Task.objects.get(id=task.id).status == Status.QUEUED
     assert report.ended == [task.id]
     task.refresh_from_db()
-    assert task.status == TaskStatus.FAILED and task.error["code"] == "worker_lost"
+    assert task.status == Status.FAILED and task.error["code"] == "worker_lost"
     assert task.response.status == "failed" and task.response.error == task.error
     name, data = events_of(task)[-1][1:]
     assert name == "response.failed" and data["error"]["code"] == "worker_lost"

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from workers.output import OutputAssembler
+from generation.output import OutputAssembler
 
 THOUGHTS = (
     "Okay, the user is asking for the capital of France. I remember that Paris is the "

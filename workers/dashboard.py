@@ -15,10 +15,10 @@ from django.db.models import Count, Q, Sum
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
-from tasks_app.models import Task, TaskStatus, UsageRecord
-
-from . import heartbeat
-from .registry import ModelSpec, available_models, declared_models
+from generation import heartbeat
+from generation.registry import ModelSpec, available_models, declared_models
+from lmsp_core.status import Status
+from tasks_app.models import Task, UsageRecord
 
 WINDOW = timedelta(hours=24)
 
@@ -54,7 +54,7 @@ def usage_by_model(since: datetime) -> list[ModelUsage]:
             requests=Count("id"),
             input_tokens=Sum("input_tokens"),
             output_tokens=Sum("output_tokens"),
-            failed=Count("id", filter=Q(status=TaskStatus.FAILED)),
+            failed=Count("id", filter=Q(status=Status.FAILED)),
         )
         .order_by("model")
     )
@@ -69,7 +69,7 @@ def hourly(now: datetime) -> Hourly:
         UsageRecord.objects.filter(created_at__gte=hours[0])
         .annotate(hour=TruncHour("created_at"))
         .values("model", "hour")
-        .annotate(n=Count("id"), failed=Count("id", filter=Q(status=TaskStatus.FAILED)))
+        .annotate(n=Count("id"), failed=Count("id", filter=Q(status=Status.FAILED)))
     )
     requests: dict[str, list[int]] = {}
     failures = [0] * len(hours)
@@ -86,7 +86,7 @@ def queue_depth() -> dict[str, dict[str, int]]:
     """Per model: tasks waiting for a worker and tasks being generated now."""
     depth = {model_id: {"queued": 0, "in_progress": 0} for model_id in available_models()}
     rows = (
-        Task.objects.filter(status__in=[TaskStatus.QUEUED, TaskStatus.IN_PROGRESS])
+        Task.objects.filter(status__in=[Status.QUEUED, Status.IN_PROGRESS])
         .values("model", "status")
         .annotate(n=Count("id"))
     )
@@ -97,7 +97,7 @@ def queue_depth() -> dict[str, dict[str, int]]:
 
 def recent_failures(since: datetime, limit: int = 20) -> list[Task]:
     return list(
-        Task.objects.filter(status=TaskStatus.FAILED, completed_at__gte=since)
+        Task.objects.filter(status=Status.FAILED, completed_at__gte=since)
         .select_related("owner")
         .order_by("-completed_at")[:limit]
     )

@@ -1,27 +1,15 @@
-"""Loading weights: each model once per process, GGUF converted once to disk.
-
-Loading SmolLM2 from its GGUF file dequantizes every tensor (about 15 s);
-the converted safetensors folder in ``LMSP_MODEL_CACHE`` loads in about a
-second. ``save_pretrained`` refuses a GGUF-loaded model, so the model is
-rebuilt from its config without the quantization marker first.
-"""
+"""Loading a model's weights onto the device: each model once per process."""
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import logging
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 
-from django.conf import settings
-
-from .registry import ModelSpec
+from generation.registry import ModelSpec
+from generation.weights import load_tokenizer, weights_folder
 
 log = logging.getLogger(__name__)
-
-READY_MARKER = ".lmsp-ready"
 
 
 @dataclass
@@ -30,57 +18,13 @@ class LoadedModel:
     model: object  # transformers PreTrainedModel
     tokenizer: object  # transformers PreTrainedTokenizerBase
 
-    @property
+    @functools.cached_property
     def eos_token_ids(self) -> set[int]:
+        """The model's end tokens and the tokenizer's (without touching either's config)."""
         ids = self.model.generation_config.eos_token_id
-        ids = ids if isinstance(ids, list) else [ids]
-        if self.tokenizer.eos_token_id is not None:
-            ids.append(self.tokenizer.eos_token_id)
+        ids = list(ids) if isinstance(ids, list) else [ids]
+        ids.append(self.tokenizer.eos_token_id)
         return {i for i in ids if i is not None}
-
-
-def weights_folder(spec: ModelSpec) -> Path:
-    """A folder ``from_pretrained`` loads quickly, converting a GGUF file once."""
-    if spec.source == "folder":
-        return spec.source_location()
-    target = Path(settings.LMSP_MODEL_CACHE) / spec.slug
-    if (target / READY_MARKER).exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{spec.slug}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one converter per machine
-        if not (target / READY_MARKER).exists():
-            _convert_gguf(spec, target)
-    return target
-
-
-def _convert_gguf(spec: ModelSpec, target: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    source = spec.source_location()
-    log.info("Converting %s from %s (once)", spec.id, source / spec.file)
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=spec.file)
-    gguf_model = AutoModelForCausalLM.from_pretrained(source, gguf_file=spec.file)
-    config = gguf_model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(gguf_model.state_dict())
-    model.generation_config = gguf_model.generation_config
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    (staging / READY_MARKER).touch()
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
-
-
-@functools.cache
-def load_tokenizer(spec: ModelSpec) -> object:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(weights_folder(spec))
 
 
 @functools.cache

@@ -20,15 +20,17 @@ from contextlib import contextmanager
 from django.conf import settings
 from django.db import connection
 
-from responses_app import protocol
-from responses_app.errors import problem
+from generation.output import OutputAssembler
+from generation.params import GenerationParams
+from generation.registry import declared_models
+from lmsp_core import protocol
+from lmsp_core.errors import problem
+from lmsp_core.status import Status
 from tasks_app import lifecycle
-from tasks_app.models import Task, TaskStatus
+from tasks_app.models import Task
 
 from . import constraints, engine
 from .loading import load_model
-from .output import OutputAssembler
-from .registry import declared_models
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +60,14 @@ class GenerationRun:
         self.task_id = task.id
         self.attempt = task.attempt
         self.response = task.response
-        self.params = self.response.params
+        self.params = GenerationParams.from_json(self.response.params)
         self.spec = declared_models()[task.model]
         checkpoint = task.checkpoint or {}
         self.token_ids: list[int] = list(checkpoint.get("token_ids", []))
         self.assembler = OutputAssembler(
             self.response.id,
             checkpoint.get("assembler"),
-            parse_tools=bool(self.params.get("tools")) and self.params.get("tool_choice") != "none",
+            parse_tools=self.params.calls_tools,
             parse_reasoning=self.spec.has("reasoning"),
         )
         self.offsets = checkpoint.get("detokenizer", {})
@@ -79,7 +81,7 @@ class GenerationRun:
         lm = load_model(self.spec)
         detok = engine.IncrementalDetokenizer(lm.tokenizer, **self.offsets)
         eos = lm.eos_token_ids
-        max_tokens = self.params["max_output_tokens"]
+        max_tokens = self.params.max_output_tokens
 
         def on_token(token_id: int) -> bool:
             if token_id in eos:
@@ -101,9 +103,7 @@ class GenerationRun:
                 engine.generate(
                     lm,
                     prompt_ids + self.token_ids,
-                    engine.Sampling(
-                        max_new_tokens=remaining, temperature=self.params["temperature"]
-                    ),
+                    engine.Sampling(max_new_tokens=remaining, temperature=self.params.temperature),
                     on_token,
                     constraints.logits_processors(lm, self.params, self.token_ids),
                 )
@@ -166,13 +166,13 @@ class GenerationRun:
         rid, usage = self.response.id, self._usage()
         incomplete = None
         if self.stop == "cancelled":
-            status = TaskStatus.CANCELLED
+            status = Status.CANCELLED
             events = self.assembler.close() + [protocol.cancelled_event(rid, usage)]
         elif self.ended_by_model or self.ended_by_grammar:
-            status = TaskStatus.COMPLETED
+            status = Status.COMPLETED
             events = self.assembler.finish() + [protocol.completed_event(rid, usage)]
         else:
-            status = TaskStatus.INCOMPLETE
+            status = Status.INCOMPLETE
             incomplete = {"reason": "max_output_tokens"}
             events = self.assembler.close() + [
                 protocol.incomplete_event(rid, incomplete["reason"], usage)
@@ -193,10 +193,10 @@ class GenerationRun:
         events = self.pending + self.assembler.close()
         events.append(protocol.failed_event(self.response.id, error))
         outcome = lifecycle.Outcome(
-            status=TaskStatus.FAILED,
+            status=Status.FAILED,
             output=self.assembler.items,
             output_tokens=len(self.token_ids),
             error=error,
         )
         ok = lifecycle.finish(self.task_id, self.attempt, events, outcome)
-        return TaskStatus.FAILED if ok else None
+        return Status.FAILED if ok else None

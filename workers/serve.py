@@ -16,8 +16,8 @@ def main() -> None:
     import django
 
     django.setup()
+    from generation.registry import served_models
     from lmsp_project.celery import app
-    from workers.registry import served_models
 
     queues = ",".join(spec.queue for spec in served_models())
     if not queues:

@@ -3,9 +3,11 @@
 from celery import shared_task
 from celery.signals import worker_ready, worker_shutdown
 
-from tasks_app import lifecycle, retention
+from generation import heartbeat
+from responses_app.retention import prune_history
+from tasks_app import lifecycle
 
-from . import heartbeat, runner
+from . import runner
 
 
 @shared_task(name="workers.tasks.run_task")
@@ -21,7 +23,7 @@ def sweep_tasks() -> dict:
 
 @shared_task(name="workers.tasks.prune_events")
 def prune_events() -> int:
-    return retention.prune_events()
+    return prune_history()
 
 
 _heartbeat: heartbeat.Heartbeat | None = None
@@ -35,8 +37,9 @@ def serve_models(sender: object, **_: object) -> None:
     Model workers run the solo pool, so this is the process that generates;
     with a prefork pool the weights would be loaded before the fork, which
     CUDA does not survive."""
+    from generation.registry import available_models
+
     from .loading import load_model
-    from .registry import available_models
 
     global _heartbeat
     queues = set(sender.app.amqp.queues.consume_from)

@@ -1,7 +1,7 @@
 from django.core.management.base import BaseCommand
 
-from workers.loading import weights_folder
-from workers.registry import available_models, declared_models
+from generation.registry import available_models, declared_models
+from generation.weights import weights_folder
 
 
 class Command(BaseCommand):

@@ -10,11 +10,8 @@ from asgiref.sync import sync_to_async
 from django.db import close_old_connections, connection
 from django.http import HttpRequest
 
-from accounts_app.models import ApiToken
-from accounts_app.services import authenticate_bearer, require_scope
-
 from .errors import ProblemError
-from .parsers import loads_strict
+from .jsonbody import loads_strict
 
 
 async def db_call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -32,16 +29,6 @@ async def db_call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> An
             connection.close()
 
     return await sync_to_async(call, thread_sensitive=False)()
-
-
-def _authenticate(header: str | None, scope: str) -> ApiToken:
-    token = authenticate_bearer(header)
-    require_scope(token, scope)
-    return token
-
-
-async def authenticate(request: HttpRequest, scope: str) -> ApiToken:
-    return await db_call(_authenticate, request.headers.get("Authorization"), scope)
 
 
 def check_method(request: HttpRequest, allowed: tuple[str, ...]) -> None:

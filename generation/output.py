@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 
-from responses_app import protocol
-from responses_app.ids import new_id
+from lmsp_core import protocol
+from lmsp_core.ids import new_id
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"

@@ -7,16 +7,17 @@ tokenizes exactly that text.
 Tools reach the model through its chat template when the template knows
 tools; otherwise they are described in a system preamble in the Hermes/Qwen
 style (``<tools>`` ... ``</tools>``, calls in ``<tool_call>`` tags), the
-format the output parser and the grammars in ``constraints`` expect.
+format the output parser and the grammars in ``schemas`` expect.
 """
 
 from __future__ import annotations
 
 import json
 
-from .constraints import NO_PARAMETERS
 from .output import TOOL_CLOSE, TOOL_OPEN
+from .params import GenerationParams
 from .registry import ModelSpec
+from .schemas import NO_PARAMETERS
 
 TOOLS_PREAMBLE = """# Tools
 
@@ -121,11 +122,10 @@ def _function(tool: dict) -> dict:
     return {"type": "function", "function": function}
 
 
-def _offered_tools(params: dict) -> list[dict]:
+def _offered_tools(params: GenerationParams) -> list[dict]:
     """The tools the model is told about: none with ``tool_choice: none`` (it
     cannot call them), only the named one when one is forced."""
-    tools = params.get("tools") or []
-    choice = params.get("tool_choice", "auto")
+    tools, choice = params.tools, params.tool_choice
     if choice == "none":
         return []
     if isinstance(choice, dict):
@@ -133,14 +133,14 @@ def _offered_tools(params: dict) -> list[dict]:
     return tools
 
 
-def system_instructions(params: dict, native_tools: bool) -> str:
+def system_instructions(params: GenerationParams, native_tools: bool) -> str:
     """What the system prompt adds for tools and structured output."""
     parts = []
     tools = _offered_tools(params)
     if tools and not native_tools:
         listed = "\n".join(json.dumps(_function(t), ensure_ascii=False) for t in tools)
         parts.append(TOOLS_PREAMBLE.format(tools=listed))
-    choice = params.get("tool_choice", "auto")
+    choice = params.tool_choice
     if tools:
         hint = (
             f"Answer with a call of the function {choice['name']}."
@@ -149,9 +149,8 @@ def system_instructions(params: dict, native_tools: bool) -> str:
         )
         if hint:
             parts.append(hint)
-    response_format = params.get("response_format") or {"type": "text"}
-    if response_format["type"] == "json_schema":
-        schema = json.dumps(response_format["json_schema"]["schema"], ensure_ascii=False)
+    if params.json_schema is not None:
+        schema = json.dumps(params.json_schema, ensure_ascii=False)
         parts.append(JSON_INSTRUCTION.format(schema=schema))
     return "\n\n".join(parts)
 
@@ -161,7 +160,9 @@ def has_native_tools(tokenizer: object) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def render_prompt(spec: ModelSpec, tokenizer: object, items: list[dict], params: dict) -> str:
+def render_prompt(
+    spec: ModelSpec, tokenizer: object, items: list[dict], params: GenerationParams
+) -> str:
     native_tools = has_native_tools(tokenizer)
     messages = chat_messages(items, native_tools)
     extra = system_instructions(params, native_tools)

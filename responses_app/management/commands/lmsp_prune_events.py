@@ -1,10 +1,14 @@
 from django.core.management.base import BaseCommand, CommandError
 
-from tasks_app.retention import prune_events
+from responses_app.retention import prune_history
 
 
 class Command(BaseCommand):
-    help = "Remove the events of tasks that ended more than --older-than seconds ago."
+    help = (
+        "Remove the events of tasks that ended more than --older-than seconds ago, then "
+        "idempotency keys past their TTL, store:false responses nobody can fetch any more, "
+        "and tasks past LMSP_TASK_RETENTION_SECONDS."
+    )
 
     def add_arguments(self, parser) -> None:  # noqa: ANN001
         parser.add_argument(
@@ -17,5 +21,5 @@ class Command(BaseCommand):
     def handle(self, *args, **options) -> None:  # noqa: ANN002, ANN003
         if options["older_than"] is not None and options["older_than"] < 0:
             raise CommandError("--older-than must be zero or more seconds")
-        removed = prune_events(options["older_than"])
+        removed = prune_history(options["older_than"])
         self.stdout.write(f"Removed {removed} events.")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from django.conf import settings
 
-from responses_app.errors import ProblemError
+from lmsp_core.errors import ProblemError
 
 CAPABILITIES = frozenset({"tools", "structured_output", "reasoning", "conversations"})
 SOURCES = frozenset({"gguf-package", "folder"})

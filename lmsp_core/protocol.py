@@ -1,19 +1,18 @@
 """The protocol's JSON shapes: every object and event body the API sends is
-built here, so that a field is named and ordered the same way everywhere."""
+built here, so that a field is named and ordered the same way everywhere.
+
+Pure functions of plain values: they read the attributes of whatever record
+they are given (a model spec, a response, a task) and import no app, so
+every layer can build the same shapes.
+"""
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from tasks_app.models import Task
-    from workers.registry import ModelSpec
-
-    from .models import Response
+from typing import Any
 
 FINAL_EVENTS = frozenset(
-    {"response.completed", "response.incomplete", "response.failed", "response.cancelled", "error"}
+    {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}
 )
 
 
@@ -28,7 +27,7 @@ def timestamp(moment) -> int | None:  # noqa: ANN001
 # --- objects -----------------------------------------------------------------
 
 
-def model_object(spec: ModelSpec) -> dict:
+def model_object(spec: Any) -> dict:  # generation.registry.ModelSpec
     return {
         "id": spec.id,
         "object": "model",
@@ -63,7 +62,7 @@ def in_protocol_order(value: Any) -> Any:
     return value
 
 
-def response_object(response: Response) -> dict:
+def response_object(response: Any) -> dict:  # responses_app.models.Response
     return {
         "id": response.id,
         "object": "response",
@@ -79,7 +78,7 @@ def response_object(response: Response) -> dict:
     }
 
 
-def task_object(task: Task) -> dict:
+def task_object(task: Any) -> dict:  # tasks_app.models.Task
     final = task.is_final
     return {
         "id": task.id,

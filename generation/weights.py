@@ -1,0 +1,71 @@
+"""Where a model's weights and tokenizer are: each GGUF file converted once to disk.
+
+Loading SmolLM2 from its GGUF file dequantizes every tensor (about 15 s);
+the converted safetensors folder in ``LMSP_MODEL_CACHE`` loads in about a
+second. ``save_pretrained`` refuses a GGUF-loaded model, so the model is
+rebuilt from its config without the quantization marker first.
+
+The web process needs the tokenizer (prompt rendering and token counts) but
+never the model: transformers is imported inside the functions, so that
+importing this module imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import logging
+import shutil
+from pathlib import Path
+
+from django.conf import settings
+
+from .registry import ModelSpec
+
+log = logging.getLogger(__name__)
+
+READY_MARKER = ".lmsp-ready"
+
+
+def weights_folder(spec: ModelSpec) -> Path:
+    """A folder ``from_pretrained`` loads quickly, converting a GGUF file once."""
+    if spec.source == "folder":
+        return spec.source_location()
+    target = Path(settings.LMSP_MODEL_CACHE) / spec.slug
+    if (target / READY_MARKER).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{spec.slug}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one converter per machine
+        if not (target / READY_MARKER).exists():
+            _convert_gguf(spec, target)
+    return target
+
+
+def _convert_gguf(spec: ModelSpec, target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = spec.source_location()
+    log.info("Converting %s from %s (once)", spec.id, source / spec.file)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=spec.file)
+    gguf_model = AutoModelForCausalLM.from_pretrained(source, gguf_file=spec.file)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    (staging / READY_MARKER).touch()
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+
+
+@functools.cache
+def load_tokenizer(spec: ModelSpec) -> object:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(weights_folder(spec))

@@ -1,0 +1,20 @@
+"""The one status vocabulary of a generation (contract section 6).
+
+A task and the response it produces move through the same states, so one
+enum serves both: a response is ``in_progress`` while its task is queued or
+running, and both end with the same final status.
+"""
+
+from django.db import models
+
+
+class Status(models.TextChoices):
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    INCOMPLETE = "incomplete"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+FINAL_STATUSES = frozenset({Status.COMPLETED, Status.INCOMPLETE, Status.FAILED, Status.CANCELLED})

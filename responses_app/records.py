@@ -1,0 +1,93 @@
+"""Every write of a ``Response``: create, finish, reopen and discard.
+
+A response is created with its task (``submit``), finished and reopened
+when the task lifecycle says so (``tasks_app.signals``, connected in
+``apps``), and discarded under one rule (``discard_unneeded``).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from django.conf import settings
+from django.contrib.auth.base_user import AbstractBaseUser
+from django.db.models import Q
+from django.utils import timezone
+
+from lmsp_core.ids import new_id
+from lmsp_core.status import FINAL_STATUSES, Status
+from tasks_app.lifecycle import Outcome
+from tasks_app.models import Task, TaskKind
+
+from .models import Response
+
+if TYPE_CHECKING:
+    from .submit import PreparedGeneration
+
+# A direct answer whose client left before it was delivered is kept this long
+# after it ended, so that an answer being sent is never pulled away.
+UNDELIVERED_GRACE = timedelta(seconds=60)
+
+
+def create(owner: AbstractBaseUser, prepared: PreparedGeneration) -> Response:
+    return Response.objects.create(
+        id=new_id("resp"),
+        owner=owner,
+        model=prepared.spec.id,
+        input=prepared.input,
+        params=prepared.params.as_json(),
+        store=prepared.store,
+        previous_response=prepared.previous,
+        prompt=prepared.prompt,
+        input_tokens=prepared.input_tokens,
+    )
+
+
+def finish(sender: type, task: Task, outcome: Outcome, **_: object) -> None:
+    """``task_finished``: the response takes the task's outcome."""
+    Response.objects.filter(id=task.response_id).update(
+        status=outcome.status,
+        output=outcome.output,
+        output_tokens=outcome.output_tokens,
+        error=outcome.error,
+        incomplete_details=outcome.incomplete_details,
+        completed_at=task.completed_at,
+    )
+
+
+def reopen(sender: type, task: Task, **_: object) -> None:
+    """``task_reopened``: the response starts over, as in progress."""
+    Response.objects.filter(id=task.response_id).update(
+        status=Status.IN_PROGRESS,
+        output=[],
+        output_tokens=0,
+        error=None,
+        incomplete_details=None,
+        completed_at=None,
+    )
+
+
+def discard_unneeded(delivered_task_id: str | None = None) -> int:
+    """Delete the responses nobody can fetch again, with their tasks.
+
+    The one rule: a ``store: false`` response whose task has ended, that no
+    idempotency key can replay, and whose own reader is done with it: a
+    direct answer once delivered (``delivered_task_id``) or a grace period
+    after it ended, a task's result once the task is past
+    ``LMSP_TASK_RETENTION_SECONDS``. Stored responses stay until deleted.
+    """
+    now = timezone.now()
+    direct_done = Q(task__completed_at__lt=now - UNDELIVERED_GRACE)
+    if delivered_task_id is not None:
+        direct_done |= Q(task__id=delivered_task_id)
+    task_expired = Q(
+        task__completed_at__lte=now - timedelta(seconds=settings.LMSP_TASK_RETENTION_SECONDS)
+    )
+    unneeded = Response.objects.filter(
+        Q(task__kind=TaskKind.DIRECT) & direct_done | Q(task__kind=TaskKind.TASK) & task_expired,
+        store=False,
+        task__status__in=FINAL_STATUSES,
+        task__idempotencykey__isnull=True,
+    )
+    return unneeded.delete()[0]

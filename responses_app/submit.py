@@ -1,0 +1,135 @@
+"""Submitting a generation: the one service behind ``POST /responses`` and
+``POST /tasks``.
+
+A validated request becomes everything a worker needs, checked now so that a
+task never fails later for a reason the request already showed: the model
+and its capabilities, the conversation it continues, the typed generation
+parameters, the rendered prompt and its length. Then the response and its
+task are stored together, once per idempotency key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.contrib.auth.base_user import AbstractBaseUser
+from django.db import transaction
+
+from generation.params import GenerationParams
+from generation.prompts import count_tokens, render_prompt
+from generation.registry import ModelSpec, get_model
+from generation.schemas import schema_problem
+from generation.weights import load_tokenizer
+from lmsp_core.errors import ProblemError
+from tasks_app import idempotency, services
+from tasks_app.models import Task, TaskKind
+
+from . import records
+from .models import Response
+from .selectors import conversation_items, stored_response
+from .serializers import validate_response_request
+
+
+@dataclass(frozen=True)
+class PreparedGeneration:
+    spec: ModelSpec
+    input: list[dict]
+    previous: Response | None
+    prompt: str
+    input_tokens: int
+    params: GenerationParams
+    store: bool
+
+
+def _require(spec: ModelSpec, capability: str, param: str) -> None:
+    if not spec.has(capability):
+        raise ProblemError(
+            "unsupported_capability",
+            f"The model {spec.id!r} does not have the {capability!r} capability.",
+            param=param,
+            capability=capability,
+        )
+
+
+def prepare_generation(
+    owner: AbstractBaseUser, request: dict, param_prefix: str = ""
+) -> PreparedGeneration:
+    """Everything a worker needs, from a validated request."""
+
+    def at(name: str) -> str:
+        return f"{param_prefix}.{name}" if param_prefix else name
+
+    spec = get_model(request["model"], param=at("model"))
+    params = GenerationParams.from_request(request)
+    if params.tools:
+        _require(spec, "tools", at("tools"))
+    if params.json_schema is not None:
+        _require(spec, "structured_output", at("response_format"))
+    previous = None
+    if "previous_response_id" in request:
+        _require(spec, "conversations", at("previous_response_id"))
+        previous = stored_response(
+            owner, request["previous_response_id"], at("previous_response_id")
+        )
+    unusable = schema_problem(params)
+    if unusable is not None:
+        raise ProblemError("invalid_request", unusable[1], param=at(unusable[0]))
+    context = (conversation_items(previous) if previous else []) + request["input"]
+    tokenizer = load_tokenizer(spec)
+    prompt = render_prompt(spec, tokenizer, context, params)
+    input_tokens = count_tokens(tokenizer, prompt)
+    room = spec.context_window - input_tokens
+    if room <= 0:
+        raise ProblemError(
+            "context_length_exceeded",
+            f"The input is {input_tokens} tokens; {spec.id!r} has a context window of "
+            f"{spec.context_window}, with room needed for the answer.",
+            param=at("input"),
+        )
+    wanted = request.get("max_output_tokens", spec.max_output_tokens)
+    return PreparedGeneration(
+        spec=spec,
+        input=request["input"],
+        previous=previous,
+        prompt=prompt,
+        input_tokens=input_tokens,
+        params=params.limited(min(wanted, spec.max_output_tokens, room)),
+        store=request["store"] and spec.has("conversations"),
+    )
+
+
+@transaction.atomic
+def start_generation(owner: AbstractBaseUser, prepared: PreparedGeneration, kind: str) -> Task:
+    """Store the response and the task that generates it, in one transaction."""
+    services.check_capacity(prepared.spec)
+    response = records.create(owner, prepared)
+    return services.create_task(owner, response.id, prepared.spec, prepared.input_tokens, kind=kind)
+
+
+# Per kind of task: the endpoint that creates it (idempotency keys are per
+# endpoint) and where its request sits in the body (errors name that field).
+ENDPOINTS = {TaskKind.DIRECT: ("responses", ""), TaskKind.TASK: ("tasks", "request")}
+
+
+def submit(
+    owner: AbstractBaseUser, request: dict, *, kind: str, idempotency_key: str | None
+) -> Task:
+    """The task generating a validated request; with an ``Idempotency-Key``, the
+    task of the first request that used the key (a retry starts nothing)."""
+    endpoint, param_prefix = ENDPOINTS[kind]
+
+    def start() -> Task:
+        return start_generation(owner, prepare_generation(owner, request, param_prefix), kind)
+
+    if idempotency_key is None:
+        return start()
+    print_ = idempotency.fingerprint(endpoint, request)
+    return idempotency.start_once(owner, idempotency_key, print_, start)
+
+
+def submit_task(owner: AbstractBaseUser, request: dict, idempotency_key: str | None) -> Task:
+    """``POST /tasks`` with ``"type": "response"`` (registered in ``apps``)."""
+    body = {name: value for name, value in request.items() if name != "stream"}
+    # a task is always followed through its events, whatever "stream" says
+    validated = validate_response_request(body, prefix="request")
+    return submit(owner, validated, kind=TaskKind.TASK, idempotency_key=idempotency_key)

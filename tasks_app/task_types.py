@@ -1,0 +1,32 @@
+"""Task types: what ``POST /tasks`` can start (contract section 6).
+
+A task's body names its type (``{"type": "response", "request": {...}}``).
+The app that owns that kind of work registers how to start one when Django
+starts (``responses_app`` registers ``response``), so this app queues, runs
+and streams tasks without importing what they produce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from django.contrib.auth.base_user import AbstractBaseUser
+
+from .models import Task
+
+# (owner, the body's "request" object, the Idempotency-Key or None) -> the task
+Starter = Callable[[AbstractBaseUser, dict, str | None], Task]
+
+_starters: dict[str, Starter] = {}
+
+
+def register(type_name: str, start: Starter) -> None:
+    _starters[type_name] = start
+
+
+def names() -> list[str]:
+    return sorted(_starters)
+
+
+def starter(type_name: str) -> Starter:
+    return _starters[type_name]
