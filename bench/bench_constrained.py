@@ -35,6 +35,7 @@ import torch  # noqa: E402
 from generation import prompts  # noqa: E402
 from generation.params import GenerationParams  # noqa: E402
 from generation.registry import get_model  # noqa: E402
+from generation.tokens import prompt_tokenizer  # noqa: E402
 from workers import constraints  # noqa: E402
 from workers.loading import LoadedModel, load_model  # noqa: E402
 
@@ -124,7 +125,7 @@ def main() -> None:
         "role": "user",
         "content": [{"type": "input_text", "text": QUESTION}],
     }
-    prompt = prompts.render_prompt(lm.spec, lm.tokenizer, [user], params)
+    prompt = prompts.render_prompt(lm.spec, prompt_tokenizer(lm.spec), [user], params)
     prompt_ids = lm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
     # The constrained answer's length, found once (greedy, so every round repeats it).

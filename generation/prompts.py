@@ -18,6 +18,7 @@ from .output import TOOL_CLOSE, TOOL_OPEN
 from .params import GenerationParams
 from .registry import ModelSpec
 from .schemas import NO_PARAMETERS
+from .tokens import PromptTokenizer
 
 TOOLS_PREAMBLE = """# Tools
 
@@ -155,13 +156,12 @@ def system_instructions(params: GenerationParams, native_tools: bool) -> str:
     return "\n\n".join(parts)
 
 
-def has_native_tools(tokenizer: object) -> bool:
-    template = getattr(tokenizer, "chat_template", None) or ""
-    return isinstance(template, str) and "tools" in template
+def has_native_tools(tokenizer: PromptTokenizer) -> bool:
+    return "tools" in tokenizer.chat_template
 
 
 def render_prompt(
-    spec: ModelSpec, tokenizer: object, items: list[dict], params: GenerationParams
+    spec: ModelSpec, tokenizer: PromptTokenizer, items: list[dict], params: GenerationParams
 ) -> str:
     native_tools = has_native_tools(tokenizer)
     messages = chat_messages(items, native_tools)
@@ -171,14 +171,6 @@ def render_prompt(
             messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{extra}"}
         else:
             messages.insert(0, {"role": "system", "content": extra})
-    options: dict = {}
     tools = _offered_tools(params)
-    if native_tools and tools:
-        options["tools"] = [_function(tool) for tool in tools]
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, **options
-    )
-
-
-def count_tokens(tokenizer: object, prompt: str) -> int:
-    return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    native = [_function(tool) for tool in tools] if native_tools and tools else None
+    return tokenizer.render(messages, native)

@@ -5,15 +5,14 @@ the converted safetensors folder in ``LMSP_MODEL_CACHE`` loads in about a
 second. ``save_pretrained`` refuses a GGUF-loaded model, so the model is
 rebuilt from its config without the quantization marker first.
 
-The web process needs the tokenizer (prompt rendering and token counts) but
-never the model: transformers is imported inside the functions, so that
-importing this module imports neither torch nor transformers.
+transformers is imported only inside the conversion, so that the web process
+(which needs the folder for the tokenizer files) imports neither torch nor
+transformers.
 """
 
 from __future__ import annotations
 
 import fcntl
-import functools
 import logging
 import shutil
 from pathlib import Path
@@ -62,10 +61,3 @@ def _convert_gguf(spec: ModelSpec, target: Path) -> None:
     (staging / READY_MARKER).touch()
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
-
-
-@functools.cache
-def load_tokenizer(spec: ModelSpec) -> object:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(weights_folder(spec))

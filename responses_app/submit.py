@@ -16,10 +16,10 @@ from django.contrib.auth.base_user import AbstractBaseUser
 from django.db import transaction
 
 from generation.params import GenerationParams
-from generation.prompts import count_tokens, render_prompt
+from generation.prompts import render_prompt
 from generation.registry import ModelSpec, get_model
 from generation.schemas import schema_problem
-from generation.weights import load_tokenizer
+from generation.tokens import prompt_tokenizer
 from lmsp_core.errors import ProblemError
 from tasks_app import idempotency, services
 from tasks_app.models import Task, TaskKind
@@ -75,9 +75,9 @@ def prepare_generation(
     if unusable is not None:
         raise ProblemError("invalid_request", unusable[1], param=at(unusable[0]))
     context = (conversation_items(previous) if previous else []) + request["input"]
-    tokenizer = load_tokenizer(spec)
+    tokenizer = prompt_tokenizer(spec)
     prompt = render_prompt(spec, tokenizer, context, params)
-    input_tokens = count_tokens(tokenizer, prompt)
+    input_tokens = tokenizer.count(prompt)
     room = spec.context_window - input_tokens
     if room <= 0:
         raise ProblemError(

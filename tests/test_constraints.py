@@ -11,6 +11,7 @@ import xgrammar as xgr
 from generation import prompts, schemas
 from generation.params import GenerationParams
 from generation.registry import get_model
+from generation.tokens import prompt_tokenizer
 from workers import constraints, engine
 from workers.loading import load_model
 
@@ -89,8 +90,12 @@ def generate(
     return out
 
 
+def render(lm, items: list[dict], params: GenerationParams) -> str:
+    return prompts.render_prompt(lm.spec, prompt_tokenizer(lm.spec), items, params)
+
+
 def prompt_ids(lm, params: GenerationParams, text: str) -> list[int]:
-    return tokens(lm, prompts.render_prompt(lm.spec, lm.tokenizer, [message("user", text)], params))
+    return tokens(lm, render(lm, [message("user", text)], params))
 
 
 # --- which requests get a grammar ----------------------------------------------------
@@ -228,8 +233,9 @@ def test_tools_preamble_is_merged_into_the_system_message(lm):
         message("user", "Hi"),
     ]
     params = GenerationParams(tools=[WEATHER, TIME], tool_choice="auto")
-    assert not prompts.has_native_tools(lm.tokenizer)  # SmolLM2's template knows no tools
-    prompt = prompts.render_prompt(lm.spec, lm.tokenizer, items, params)
+    # SmolLM2's template knows no tools
+    assert not prompts.has_native_tools(prompt_tokenizer(lm.spec))
+    prompt = render(lm, items, params)
     assert prompt.count("<|im_start|>system") == 1
     system = prompt.split("<|im_end|>")[0]
     assert system.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
@@ -242,16 +248,19 @@ def test_tool_choice_decides_which_tools_the_model_is_shown(lm):
     named = GenerationParams(
         tools=[WEATHER, TIME], tool_choice={"type": "function", "name": "get_time"}
     )
-    prompt = prompts.render_prompt(lm.spec, lm.tokenizer, user, named)
+    prompt = render(lm, user, named)
     assert '"get_time"' in prompt and '"get_weather"' not in prompt
     none = GenerationParams(tools=[WEATHER], tool_choice="none")
-    assert "<tools>" not in prompts.render_prompt(lm.spec, lm.tokenizer, user, none)
+    assert "<tools>" not in render(lm, user, none)
 
 
 def test_json_schema_instruction_is_in_the_system_prompt(lm):
     user = [message("user", "Hi")]
     prompt = prompts.render_prompt(
-        lm.spec, lm.tokenizer, user, GenerationParams(response_format=json_format(PERSON))
+        lm.spec,
+        prompt_tokenizer(lm.spec),
+        user,
+        GenerationParams(response_format=json_format(PERSON)),
     )
     assert prompt.startswith("<|im_start|>system\nAnswer with a JSON value only")
     assert json.dumps(PERSON) in prompt
@@ -288,3 +297,21 @@ def test_calls_and_results_are_rendered_back_as_hermes_turns():
         "arguments": {"city": "Oslo", "unit": "celsius"},
     }
     assert [m["role"] for m in native] == ["user", "assistant", "tool", "tool"]
+
+
+def test_the_web_prompt_tokenizer_renders_and_counts_like_transformers(lm):
+    """The web process renders and counts without transformers' tokenizer; the
+    worker tokenizes with it: both must see the same text and the same ids."""
+    messages = prompts.chat_messages(
+        [
+            message("system", "You are terse."),
+            message("user", "Héllo 👋, what is the weather in Oslo?"),
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": '{"temp": 3}'},
+        ]
+    )
+    web = prompt_tokenizer(lm.spec)
+    ours = web.render(messages)
+    theirs = lm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours == theirs
+    assert web.count(ours) == len(tokens(lm, ours))

@@ -62,7 +62,8 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
 
 def test_the_web_process_does_not_import_the_model_stack():
     """What the web process serves (the URL configuration, every view and the
-    admin) loads without torch, transformers' model code or xgrammar."""
+    admin) loads without torch, transformers' model code or xgrammar, and so
+    does rendering a prompt and counting its tokens."""
     probe = (
         "import os, sys\n"
         "os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'lmsp_project.settings')\n"
@@ -71,6 +72,10 @@ def test_the_web_process_does_not_import_the_model_stack():
         "import lmsp_project.asgi, lmsp_project.urls\n"
         "from django.urls import get_resolver\n"
         "get_resolver().url_patterns\n"
+        "from generation.registry import get_model\n"
+        "from generation.tokens import prompt_tokenizer\n"
+        "tokenizer = prompt_tokenizer(get_model('smollm2:135m'))\n"
+        "tokenizer.count(tokenizer.render([{'role': 'user', 'content': 'Hi'}]))\n"
         "heavy = ('torch', 'xgrammar', 'transformers.modeling_utils')\n"
         "print(','.join(m for m in heavy if m in sys.modules) or 'none')\n"
     )

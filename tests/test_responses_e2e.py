@@ -8,9 +8,9 @@ import httpx
 import pytest
 
 from generation.registry import get_model
-from generation.weights import load_tokenizer
 from responses_app.models import Response
 from tasks_app.models import Event, UsageRecord
+from workers.loading import load_tokenizer
 
 from .conftest import LONG_STORY, deltas_text, parse_sse, request_body
 

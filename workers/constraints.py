@@ -23,9 +23,8 @@ from transformers import LogitsProcessor
 from generation.params import GenerationParams
 from generation.registry import ModelSpec
 from generation.schemas import grammar_format, structural_tag
-from generation.weights import load_tokenizer
 
-from .loading import LoadedModel
+from .loading import LoadedModel, load_tokenizer
 
 # --- compiling (cached per tokenizer and grammar) ----------------------------------
 

@@ -1,4 +1,4 @@
-"""Loading a model's weights onto the device: each model once per process."""
+"""Loading a model onto the device, and its transformers tokenizer: each once per process."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from generation.registry import ModelSpec
-from generation.weights import load_tokenizer, weights_folder
+from generation.weights import weights_folder
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,13 @@ class LoadedModel:
         ids = list(ids) if isinstance(ids, list) else [ids]
         ids.append(self.tokenizer.eos_token_id)
         return {i for i in ids if i is not None}
+
+
+@functools.cache
+def load_tokenizer(spec: ModelSpec) -> object:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(weights_folder(spec))
 
 
 @functools.cache
