@@ -6,19 +6,25 @@ events that text makes: a message item and its deltas, a reasoning item for
 Markers may arrive split over several chunks, so the tail of the text that
 could still become a marker is held back until it is decided.
 
-Its whole state is a small JSON dict (``state()``), written in the same
-transaction as the events it produced; a new attempt after a lost worker
-restores it and goes on with the next events.
+Its whole state is a JSON dict (``state()``). A checkpoint stores it
+without the text of its items (``compact_state()``), which the event log
+holds already as deltas, so that writing a checkpoint costs the same at any
+length of the answer; a new attempt after a lost worker puts the text back
+from the logged deltas (``restore``) and goes on with the next events.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Iterable
 
 from lmsp_core import protocol
 from lmsp_core.ids import new_id
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# The events whose deltas hold the text of message and reasoning items.
+TEXT_DELTA_EVENTS = ("response.output_text.delta", "response.reasoning_summary_text.delta")
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -31,6 +37,15 @@ def _held_back(text: str, markers: tuple[str, ...]) -> int:
                 longest = size
                 break
     return longest
+
+
+def _text_parts(item: dict) -> list[dict]:
+    """The parts of an item whose text grows with deltas (none for a function call)."""
+    if item["type"] == "message":
+        return item["content"]
+    if item["type"] == "reasoning":
+        return item["summary"]
+    return []
 
 
 class OutputAssembler:
@@ -57,6 +72,27 @@ class OutputAssembler:
 
     def state(self) -> dict:
         return json.loads(json.dumps(self._s))
+
+    def compact_state(self) -> dict:
+        """``state()`` without the text of message and reasoning items."""
+        compact = copy.deepcopy(self._s)
+        for item in compact["items"]:
+            for part in _text_parts(item):
+                part["text"] = ""
+        return compact
+
+    @classmethod
+    def restore(
+        cls, response_id: str, compact: dict, deltas: Iterable[tuple[str, dict]]
+    ) -> OutputAssembler:
+        """The assembler a ``compact_state()`` came from, its text put back from the
+        logged ``TEXT_DELTA_EVENTS`` (event name, data) of the same response."""
+        state = copy.deepcopy(compact)
+        parts = {item["id"]: _text_parts(item) for item in state["items"]}
+        for event, data in deltas:
+            if event in TEXT_DELTA_EVENTS and parts.get(data["item_id"]):
+                parts[data["item_id"]][0]["text"] += data["delta"]
+        return cls(response_id, state)
 
     @property
     def items(self) -> list[dict]:

@@ -10,6 +10,7 @@ re-sends queued tasks whose broker message was lost.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -18,7 +19,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from generation.output import OutputAssembler
+from generation.output import TEXT_DELTA_EVENTS, OutputAssembler
 from generation.registry import declared_models
 from lmsp_core import protocol
 from lmsp_core.errors import ProblemError, problem
@@ -26,7 +27,7 @@ from lmsp_core.status import Status
 from lmsp_project.celery import app as celery_app
 
 from .event_log import EventLog
-from .models import Task, UsageRecord
+from .models import Event, Task, TokenChunk, UsageRecord
 from .signals import task_finished, task_reopened
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,15 @@ class Outcome:
     output_tokens: int = 0
     error: dict | None = None
     incomplete_details: dict | None = None
+
+
+@dataclass(frozen=True)
+class Restored:
+    """Where an earlier attempt of a task stopped (nothing, for a first attempt)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    detokenizer: dict = field(default_factory=dict)
+    assembler: OutputAssembler | None = None
 
 
 @dataclass(frozen=True)
@@ -97,13 +107,22 @@ def _owned(task_id: str, attempt: int) -> Task | None:
 
 @transaction.atomic
 def record_progress(
-    task_id: str, attempt: int, events: list[tuple[str, dict]], checkpoint: dict
+    task_id: str,
+    attempt: int,
+    events: list[tuple[str, dict]],
+    new_token_ids: list[int],
+    checkpoint: dict,
 ) -> Progress:
-    """Append a worker's events with the checkpoint they lead to, and renew its lease."""
+    """Append a worker's events and the tokens it generated since its last flush,
+    with the checkpoint they lead to, and renew its lease. ``checkpoint["tokens"]``
+    counts every token so far, ``new_token_ids`` included."""
     task = _owned(task_id, attempt)
     if task is None:
         return Progress(owned=False)
     EventLog.append(task, events)
+    if new_token_ids:
+        start = checkpoint["tokens"] - len(new_token_ids)
+        TokenChunk.objects.create(task=task, start=start, token_ids=new_token_ids)
     task.checkpoint = checkpoint
     task.lease_expires_at = _lease_deadline()
     task.save(update_fields=["last_event_id", "checkpoint", "lease_expires_at"])
@@ -138,18 +157,39 @@ def _finalize(task: Task, events: list[tuple[str, dict]], outcome: Outcome) -> N
     task.lease_expires_at = None
     task.checkpoint = None
     task.save()
+    TokenChunk.objects.filter(task=task).delete()
     task_finished.send(sender=Task, task=task, outcome=outcome)
     UsageRecord.objects.filter(response_id=task.response_id).update(
         status=outcome.status, output_tokens=outcome.output_tokens, completed_at=now
     )
 
 
+def restore(task: Task) -> Restored:
+    """What a task's checkpoint stands for: its token ids (from the chunks, up to
+    the checkpoint's count) and its output assembler (text put back from the log)."""
+    checkpoint = task.checkpoint
+    if not checkpoint:
+        return Restored()
+    token_ids = [
+        token_id
+        for chunk in TokenChunk.objects.filter(task=task).order_by("start")
+        for token_id in chunk.token_ids
+    ][: checkpoint["tokens"]]
+    deltas = Event.objects.filter(task=task, type__in=TEXT_DELTA_EVENTS).order_by("seq")
+    assembler = OutputAssembler.restore(
+        task.response_id,
+        checkpoint["assembler"],
+        ((event.type, json.loads(event.data)) for event in deltas.only("type", "data")),
+    )
+    return Restored(token_ids, checkpoint["detokenizer"], assembler)
+
+
 def _partial_outcome(task: Task, status: str, error: dict | None = None) -> tuple[list, Outcome]:
     """Close what a worker left open (its checkpoint) when the worker cannot."""
-    checkpoint = task.checkpoint or {}
-    assembler = OutputAssembler(task.response_id, checkpoint.get("assembler"))
+    restored = restore(task)
+    assembler = restored.assembler or OutputAssembler(task.response_id)
     events = assembler.close()
-    usage = protocol.usage(task.response.input_tokens, len(checkpoint.get("token_ids", [])))
+    usage = protocol.usage(task.response.input_tokens, len(restored.token_ids))
     if status == Status.CANCELLED:
         events.append(protocol.cancelled_event(task.response_id, usage))
     else:
@@ -250,6 +290,7 @@ def requeue_failed(task_id: str) -> Task:
     task.checkpoint = None
     task.enqueued_at = timezone.now()
     task.save()
+    TokenChunk.objects.filter(task=task).delete()
     task_reopened.send(sender=Task, task=task)
     enqueue_on_commit(task, declared_models()[task.model].queue)
     return task

@@ -88,6 +88,27 @@ class Event(models.Model):
         return f"{self.task_id}#{self.seq} {self.type}"
 
 
+class TokenChunk(models.Model):
+    """Token ids a running task generated, one row per flush.
+
+    Appended, never rewritten, so that a flush costs the same at any length
+    of the answer; gone once the task ends (the answer is in its response).
+    """
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="token_chunks")
+    start = models.PositiveIntegerField()  # position of the first id in the output
+    token_ids = models.JSONField()
+
+    class Meta:
+        ordering = ["task", "start"]
+        constraints = [
+            models.UniqueConstraint(fields=["task", "start"], name="token_chunk_task_start")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_id}@{self.start}"
+
+
 class IdempotencyKey(models.Model):
     """An ``Idempotency-Key`` an owner sent, and the task its request started.
 

@@ -360,7 +360,7 @@ def test_requeue_action_puts_a_failed_task_back_in_the_queue(
     assert response.status == "in_progress" and response.error is None and response.output == []
     # a worker of the old attempt cannot write any more; the next claim takes attempt 4
     assert lifecycle.claim(failed.id, "new@host").attempt == 4
-    assert not lifecycle.record_progress(failed.id, 3, [], {}).owned
+    assert not lifecycle.record_progress(failed.id, 3, [], [], {}).owned
 
 
 def test_tasks_cannot_be_added_edited_or_deleted(admin_client, conversation):

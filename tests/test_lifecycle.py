@@ -61,7 +61,7 @@ def test_a_worker_whose_attempt_was_superseded_cannot_write():
     claimed = lifecycle.claim(task.id, "w1")
     Task.objects.filter(id=task.id).update(attempt=claimed.attempt + 1)  # handed on
     delta = ("response.output_text.delta", {"delta": "stale"})
-    progress = lifecycle.record_progress(task.id, claimed.attempt, [delta], {})
+    progress = lifecycle.record_progress(task.id, claimed.attempt, [delta], [], {})
     assert progress.owned is False
     assert lifecycle.renew_lease(task.id, claimed.attempt) is False
     assert lifecycle.renew_lease(task.id, claimed.attempt + 1) is True

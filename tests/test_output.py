@@ -93,8 +93,8 @@ def test_state_restores_mid_thought_and_mid_marker():
     for cut in (3, 20, len("<think>\n") + len(THOUGHTS) + 4, len(THINKING) - 10):
         first = OutputAssembler("resp_test", parse_reasoning=True)
         events = first.feed(THINKING[:cut])
-        saved = json.loads(json.dumps(first.state()))  # as stored in the checkpoint
-        second = OutputAssembler("resp_test", saved)
+        saved = json.loads(json.dumps(first.compact_state()))  # as stored in the checkpoint
+        second = OutputAssembler.restore("resp_test", saved, events)
         events += second.feed(THINKING[cut:]) + second.finish()
         reasoning, message = second.items
         assert summary(reasoning) == THOUGHTS, cut
@@ -102,6 +102,15 @@ def test_state_restores_mid_thought_and_mid_marker():
         assert deltas(events, "response.output_text.delta", message["id"]) == ANSWER
         done = [body["item"] for name, body in events if name == "response.output_item.done"]
         assert done == second.items
+
+
+def test_a_checkpoint_does_not_grow_with_the_answer():
+    """The text is in the logged deltas; the checkpoint keeps only the skeleton."""
+    assembler = OutputAssembler("resp_test")
+    assembler.feed("Once upon a time ")
+    early = json.dumps(assembler.compact_state())
+    assembler.feed("there was a model that wrote a very long story. " * 50)
+    assert len(json.dumps(assembler.compact_state())) == len(early)
 
 
 def test_thinking_then_a_tool_call():

@@ -62,15 +62,15 @@ class GenerationRun:
         self.response = task.response
         self.params = GenerationParams.from_json(self.response.params)
         self.spec = declared_models()[task.model]
-        checkpoint = task.checkpoint or {}
-        self.token_ids: list[int] = list(checkpoint.get("token_ids", []))
-        self.assembler = OutputAssembler(
+        restored = lifecycle.restore(task)
+        self.token_ids: list[int] = restored.token_ids
+        self.flushed_tokens = len(self.token_ids)  # how many the database has
+        self.assembler = restored.assembler or OutputAssembler(
             self.response.id,
-            checkpoint.get("assembler"),
             parse_tools=self.params.calls_tools,
             parse_reasoning=self.spec.has("reasoning"),
         )
-        self.offsets = checkpoint.get("detokenizer", {})
+        self.offsets = restored.detokenizer
         self.pending: list[tuple[str, dict]] = []
         self.last_flush = 0.0
         self.stop: str | None = None  # "cancelled" or "lost"
@@ -140,17 +140,17 @@ class GenerationRun:
             done.set()
             keeper.join()
 
-    def _checkpoint(self, detok: engine.IncrementalDetokenizer) -> dict:
-        return {
-            "token_ids": self.token_ids,
-            "detokenizer": detok.offsets(),
-            "assembler": self.assembler.state(),
-        }
-
     def _flush(self, detok: engine.IncrementalDetokenizer) -> None:
+        checkpoint = {
+            "tokens": len(self.token_ids),
+            "detokenizer": detok.offsets(),
+            "assembler": self.assembler.compact_state(),
+        }
+        new_token_ids = self.token_ids[self.flushed_tokens :]
         progress = lifecycle.record_progress(
-            self.task_id, self.attempt, self.pending, self._checkpoint(detok)
+            self.task_id, self.attempt, self.pending, new_token_ids, checkpoint
         )
+        self.flushed_tokens = len(self.token_ids)
         self.pending = []
         self.last_flush = time.monotonic()
         if not progress.owned:

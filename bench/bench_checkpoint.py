@@ -1,0 +1,147 @@
+"""Bytes a running task writes per output token, checkpoints included.
+
+    .venv/bin/python bench/bench_checkpoint.py [--flush-tokens 2] [--lengths 256 4096]
+
+A task is submitted and claimed through the service's own functions, then
+flushed the way the runner flushes: every ``--flush-tokens`` tokens, one
+transaction with the delta events, the new token ids and the checkpoint
+(``tasks_app.lifecycle.record_progress``). Two variants, side by side:
+
+- service: the checkpoint as written now (token count, detokenizer offsets,
+  the assembler without its text) plus the new ids in a ``TokenChunk`` row;
+- baseline: the checkpoint as written before (every token id so far and the
+  whole assembler state, rewritten at each flush), through the same call.
+
+Bytes are PostgreSQL's own: the write-ahead log grown over the run
+(``pg_current_wal_insert_lsn``), divided by the number of tokens. The JSON
+that each variant hands to PostgreSQL is counted too. Uses the embedded
+PostgreSQL and Redis of ``lmsp_project.devstack`` unless DATABASE_URL /
+REDIS_URL are set; the task is cancelled at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lmsp_project.settings")
+
+STORY = (
+    "The lighthouse keeper counted the ships that passed each night, writing their names "
+    "in a book whose pages had gone yellow with salt. One winter a ship came that had no "
+    "name at all, only a lantern swinging from its mast and a crew that never spoke. "
+)
+
+
+def run(lengths: list[int], flush_tokens: int) -> None:
+    import django
+
+    django.setup()
+    from django.contrib.auth import get_user_model
+    from django.core.management import call_command
+    from django.db import connection
+
+    from generation.output import OutputAssembler
+    from generation.registry import get_model
+    from responses_app.serializers import validate_response_request
+    from responses_app.submit import prepare_generation, start_generation
+    from tasks_app import lifecycle
+    from tasks_app.models import TaskKind
+    from workers.engine import IncrementalDetokenizer
+    from workers.loading import load_tokenizer
+
+    call_command("migrate", verbosity=0)
+    owner, _ = get_user_model().objects.get_or_create(username="bench-checkpoint")
+    spec = get_model("smollm2:135m")
+    tokenizer = load_tokenizer(spec)
+    story_ids = tokenizer(STORY * 200, add_special_tokens=False)["input_ids"]
+
+    def wal() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')")
+            return int(cursor.fetchone()[0])
+
+    def one(length: int, variant: str) -> tuple[float, float]:
+        request = validate_response_request(
+            {
+                "model": spec.id,
+                "input": [
+                    {
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": "Tell me a long story."}],
+                    }
+                ],
+                "max_output_tokens": length,
+            }
+        )
+        task = start_generation(owner, prepare_generation(owner, request), TaskKind.TASK)
+        task = lifecycle.claim(task.id, "bench")
+        assembler = OutputAssembler(task.response_id)
+        detok = IncrementalDetokenizer(tokenizer)
+        ids: list[int] = []
+        handed = 0
+        start = wal()
+        for position in range(0, length, flush_tokens):
+            new = story_ids[position : min(position + flush_tokens, length)]
+            events = []
+            for token_id in new:
+                ids.append(token_id)
+                events += assembler.feed(detok.step(ids))
+            if variant == "service":
+                checkpoint = {
+                    "tokens": len(ids),
+                    "detokenizer": detok.offsets(),
+                    "assembler": assembler.compact_state(),
+                }
+                handed += len(json.dumps(checkpoint)) + len(json.dumps(new))
+                lifecycle.record_progress(task.id, task.attempt, events, new, checkpoint)
+            else:
+                checkpoint = {
+                    "token_ids": list(ids),
+                    "detokenizer": detok.offsets(),
+                    "assembler": assembler.state(),
+                }
+                handed += len(json.dumps(checkpoint))
+                lifecycle.record_progress(task.id, task.attempt, events, [], {**checkpoint})
+        written = wal() - start
+        lifecycle.request_cancel(task.id)
+        return written / length, handed / length
+
+    print(f"bytes per output token, flushing every {flush_tokens} tokens")
+    print(f"{'tokens':>7} {'variant':>9} {'WAL B/token':>12} {'JSON B/token':>13}")
+    for length in lengths:
+        results = {}
+        for variant in ("baseline", "service", "baseline", "service"):  # alternate
+            results.setdefault(variant, []).append(one(length, variant))
+        for variant in ("baseline", "service"):
+            best_wal = min(r[0] for r in results[variant])
+            handed = results[variant][0][1]
+            print(f"{length:>7} {variant:>9} {best_wal:>12.0f} {handed:>13.0f}")
+        ratio = min(r[0] for r in results["service"]) / min(r[0] for r in results["baseline"])
+        print(f"{length:>7} {'ratio':>9} {ratio:>12.3f}   (service / baseline, best of 2)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--flush-tokens", type=int, default=2)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 4096])
+    args = parser.parse_args()
+    if os.environ.get("DATABASE_URL") and os.environ.get("REDIS_URL"):
+        run(args.lengths, args.flush_tokens)
+        return 0
+    from lmsp_project.devstack import services
+
+    with services() as extra:
+        os.environ.update(extra)
+        run(args.lengths, args.flush_tokens)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
