@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from httpx_sse import ServerSentEvent
 
 from .errors import LMSPError, ProblemError, problem_error
-from .events import Event
+from .events import Event, parse_event
 
 API = "/lmsp/v1"
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -113,6 +115,26 @@ def is_retryable(error: BaseException) -> bool:
     if isinstance(error, httpx.TransportError):  # includes httpx_sse.SSEError
         return True
     return isinstance(error, ProblemError) and error.status in RETRYABLE_STATUSES
+
+
+def real_events(sse_events: Iterable[ServerSentEvent]) -> Iterator[Event]:
+    """Typed events of an SSE stream.
+
+    httpx-sse dispatches a blank line that follows only a comment (our
+    ``: keep-alive``) as an empty ``message`` carrying the previous id; the
+    SSE standard does not dispatch an event whose data buffer is empty, so
+    neither do we.
+    """
+    for sse in sse_events:
+        if sse.data:
+            yield parse_event(sse.event, sse.data, sse.id)
+
+
+async def areal_events(sse_events: AsyncIterable[ServerSentEvent]) -> AsyncIterator[Event]:
+    """``real_events`` for an async stream."""
+    async for sse in sse_events:
+        if sse.data:
+            yield parse_event(sse.event, sse.data, sse.id)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from httpx_sse import EventSource
 from . import _common as common
 from ._common import API, Backoff, GapError, Reconnect, Resume, StreamEnded, check
 from .errors import ConnectionLostError, ProblemError
-from .events import Event, parse_event
+from .events import Event
 
 ReconnectCallback = Callable[[Reconnect], object]
 
@@ -189,8 +189,7 @@ class AsyncClient:
                 if response.status_code >= 400:
                     await response.aread()
                     check(response)
-                async for sse in EventSource(response).aiter_sse():
-                    event = parse_event(sse.event, sse.data, sse.id)
+                async for event in common.areal_events(EventSource(response).aiter_sse()):
                     last = event.id or last
                     yield event
                     if event.is_final:
@@ -237,8 +236,7 @@ class AsyncClient:
                     if response.status_code >= 400:
                         await response.aread()
                         check(response, after=state.last)
-                    async for sse in EventSource(response).aiter_sse():
-                        event = parse_event(sse.event, sse.data, sse.id)
+                    async for event in common.areal_events(EventSource(response).aiter_sse()):
                         if not state.accept(event):
                             continue
                         backoff.reset()

@@ -18,7 +18,7 @@ from httpx_sse import EventSource
 from . import _common as common
 from ._common import API, Backoff, GapError, Reconnect, Resume, StreamEnded, check
 from .errors import ConnectionLostError, ProblemError
-from .events import Event, parse_event
+from .events import Event
 
 ReconnectCallback = Callable[[Reconnect], None]
 
@@ -184,8 +184,7 @@ class Client:
                 if response.status_code >= 400:
                     response.read()
                     check(response)
-                for sse in EventSource(response).iter_sse():
-                    event = parse_event(sse.event, sse.data, sse.id)
+                for event in common.real_events(EventSource(response).iter_sse()):
                     last = event.id or last
                     yield event
                     if event.is_final:
@@ -232,8 +231,7 @@ class Client:
                     if response.status_code >= 400:
                         response.read()
                         check(response, after=state.last)
-                    for sse in EventSource(response).iter_sse():
-                        event = parse_event(sse.event, sse.data, sse.id)
+                    for event in common.real_events(EventSource(response).iter_sse()):
                         if not state.accept(event):
                             continue
                         backoff.reset()
