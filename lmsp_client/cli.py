@@ -300,6 +300,7 @@ class Progress:
         self.stream = stream
         self.enabled = enabled
         self.redraw = enabled and stream.isatty() and not sys.stdout.isatty()
+        self.break_line = "\n" if stream.isatty() else ""
         self.tokens = 0
         self.started: float | None = None
         self.final_usage: dict | None = None
@@ -340,7 +341,8 @@ class Progress:
         if self.redraw:
             self._draw(line)
         else:
-            self.stream.write(f"\nlmsp: {line}\n")
+            # On a terminal that also shows the answer, start a line of our own.
+            self.stream.write(f"{self.break_line}lmsp: {line}\n")
             self.stream.flush()
 
     def done(self) -> None:
@@ -353,7 +355,7 @@ class Progress:
             self._draw(line)
             self.stream.write("\n")
         else:
-            self.stream.write(f"lmsp: {line}\n")
+            self.stream.write(f"{self.break_line}lmsp: {line}\n")
         self.stream.flush()
 
 
