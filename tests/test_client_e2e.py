@@ -55,7 +55,7 @@ def restart_after(stack):
             proc.start()
 
 
-def wait_final(client: Client, task_id: str, timeout: float = 180) -> dict:
+def wait_final(client: Client, task_id: str, timeout: float = 300) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         task = client.get_task(task_id)
@@ -65,7 +65,7 @@ def wait_final(client: Client, task_id: str, timeout: float = 180) -> dict:
         time.sleep(0.1)
 
 
-def wait_for_events(task_id: str, count: int, timeout: float = 90) -> None:
+def wait_for_events(task_id: str, count: int, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while Task.objects.get(id=task_id).last_event_id < count:
         assert time.monotonic() < deadline, "the task produced no events"
@@ -105,7 +105,7 @@ def follow_with(
         events.append(event)
         if len(events) == at:
             helper.start()
-    helper.join(180)
+    helper.join(300)
     assert not helper.is_alive()
     return events, reconnects
 
@@ -113,24 +113,39 @@ def follow_with(
 # --- resuming across crashes ----------------------------------------------------------
 
 
-def test_follow_survives_a_kill_9_of_the_web_process(client, stack, restart_after):
-    task = client.create_task(LONG_STORY, max_output_tokens=80, temperature=0)
+def test_follow_survives_a_kill_9_of_the_web_process(client, stack, token, restart_after):
+    task = client.create_task(LONG_STORY, max_output_tokens=40, temperature=0)
+    starts = stack.web.starts
 
     def restart_web() -> None:
-        stack.web.kill()  # SIGKILL, with the follow's connection open
-        time.sleep(0.5)  # let the follow find nobody listening
+        while not async_events:  # both follows are reading
+            time.sleep(0.05)
+        stack.web.kill()  # SIGKILL, with the follows' connections open
+        time.sleep(0.5)  # let them find nobody listening
         stack.web.start()
 
+    async_events: list[lmsp_client.Event] = []
+    async_reconnects: list[lmsp_client.Reconnect] = []
+
+    async def follow_async() -> None:  # the async twin, across the same crash
+        async with lmsp_client.AsyncClient(stack.base_url, token) as lmsp:
+            async for event in lmsp.follow(task["id"], on_reconnect=async_reconnects.append):
+                async_events.append(event)
+
+    twin = threading.Thread(target=asyncio.run, args=(follow_async(),))
+    twin.start()
     events, reconnects = follow_with(client, task["id"], 5, restart_web)
+    twin.join(300)
     done = client.get_task(task["id"])
-    assert stack.web.starts == 2
+    assert stack.web.starts == starts + 1
     assert reconnects, "the follow never had to reconnect"
     assert all(r.last_event_id >= 5 for r in reconnects)
     assert_whole_stream(events, done)
+    assert async_reconnects and async_events == events
 
 
 def test_follow_survives_a_kill_9_of_the_model_worker(client, stack, restart_after):
-    task = client.create_task(LONG_STORY, max_output_tokens=100, temperature=0)
+    task = client.create_task(LONG_STORY, max_output_tokens=60, temperature=0)
 
     def restart_worker() -> None:
         stack.worker.kill()  # SIGKILL, mid-generation
@@ -147,7 +162,7 @@ def test_cli_follow_prints_the_whole_answer_across_a_web_restart(
 ):
     env = {**os.environ, "LMSP_BASE_URL": stack.base_url, "LMSP_TOKEN": token}
     created = subprocess.run(
-        [LMSP, "--json", "task", "create", LONG_STORY, "--max-output-tokens", "80"]
+        [LMSP, "--json", "task", "create", LONG_STORY, "--max-output-tokens", "40"]
         + ["--temperature", "0"],
         env=env,
         capture_output=True,
@@ -168,7 +183,7 @@ def test_cli_follow_prints_the_whole_answer_across_a_web_restart(
     stack.web.kill()
     time.sleep(0.5)
     stack.web.start()
-    rest, errors = follower.communicate(timeout=180)
+    rest, errors = follower.communicate(timeout=300)
     errors = errors.decode()
     done = client.get_task(task_id)
     assert follower.returncode == EXIT[done["status"]], errors
@@ -233,18 +248,24 @@ def test_typed_events_match_what_the_service_sends(client, stack, token):
         tools=[CITY_TOOL],
         tool_choice="required",
     )
+    seen: set[type] = set()
+
+    def check_stream(task_id: str) -> dict:
+        events = list(client.follow(task_id))
+        done = client.get_task(task_id)
+        assert [e.id for e in events] == list(range(1, done["last_event_id"] + 1))
+        assert_same_as_sent(events, raw_events(stack, token, task_id))
+        seen.update(type(e) for e in events)
+        return done
+
+    check_stream(plain["id"])
+    check_stream(call["id"])
     # cancelled mid-generation
     long = client.create_task(LONG_STORY, max_output_tokens=400, temperature=0)
     wait_for_events(long["id"], 4)
     assert client.cancel(long["id"])["id"] == long["id"]
-    seen: set[type] = set()
-    for task in (plain, call, long):
-        events = list(client.follow(task["id"]))
-        done = client.get_task(task["id"])
-        assert [e.id for e in events] == list(range(1, done["last_event_id"] + 1))
-        assert_same_as_sent(events, raw_events(stack, token, task["id"]))
-        seen.update(type(e) for e in events)
-    assert done["status"] == "cancelled" and isinstance(events[-1], lmsp_client.ResponseCancelled)
+    assert check_stream(long["id"])["status"] == "cancelled"
+    assert lmsp_client.ResponseCancelled in seen
     call_events = list(client.follow(call["id"]))
     arguments = "".join(
         e.delta for e in call_events if isinstance(e, lmsp_client.FunctionCallArgumentsDelta)
