@@ -23,6 +23,7 @@ from .events import (
     DELTA_TYPES,
     ErrorEvent,
     Event,
+    OutputItemDone,
     OutputTextDelta,
     ReasoningSummaryTextDelta,
     output_text,
@@ -265,11 +266,8 @@ def _print_events(
             out.flush()
             if shown is not None:
                 shown.append(event.delta)
-        elif (
-            event.event_type == "response.output_item.done"
-            and event.data["item"].get("type") == "function_call"
-        ):
-            item = event.data["item"]
+        elif isinstance(event, OutputItemDone) and event.item.get("type") == "function_call":
+            item = event.item
             out.write(f"\n[function_call {item.get('name')}({item.get('arguments')})]")
         if event.is_final:
             status = _final_status(event)
