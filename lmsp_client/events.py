@@ -1,0 +1,234 @@
+"""Typed stream events of LMSP 1.0 (section 6.3), parsed from SSE fields.
+
+A client gets events as ``event:`` / ``data:`` / ``id:`` fields; here each
+event type of the protocol becomes a dataclass with its documented members,
+so that callers write ``event.delta`` instead of ``event["data"]["delta"]``.
+An event type this module does not know (the spec lets services add some)
+still parses, as ``UnknownEvent``, and ``data`` always keeps the whole
+original object, members this module does not name included.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+FINAL_TYPES = frozenset(
+    {"response.completed", "response.incomplete", "response.failed", "response.cancelled", "error"}
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """One server-sent event. ``id`` is the event's sequence number (``None`` if
+    the server sent none); ``data`` is the whole JSON object as received."""
+
+    type: ClassVar[str] = ""
+    fields: ClassVar[tuple[str, ...]] = ()
+
+    id: int | None
+    data: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def event_type(self) -> str:
+        return self.type
+
+    @property
+    def is_final(self) -> bool:
+        """True for the events after which the service closes the stream."""
+        return self.event_type in FINAL_TYPES
+
+    def to_data(self) -> dict:
+        """The JSON object this event stands for: the typed members over any
+        members only ``data`` carries."""
+        body = dict(self.data)
+        body.update({name: getattr(self, name) for name in self.fields})
+        return body
+
+    def to_sse(self) -> str:
+        """The event as SSE text, as the service would write it."""
+        lines = [] if self.id is None else [f"id: {self.id}"]
+        lines.append(f"event: {self.event_type}")
+        data = json.dumps(self.to_data(), ensure_ascii=False, separators=(",", ":"))
+        lines.append(f"data: {data}")
+        return "\n".join(lines) + "\n\n"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResponseCreated(Event):
+    type: ClassVar[str] = "response.created"
+    fields: ClassVar[tuple[str, ...]] = ("response_id", "status")
+    response_id: str
+    status: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputItemAdded(Event):
+    type: ClassVar[str] = "response.output_item.added"
+    fields: ClassVar[tuple[str, ...]] = ("response_id", "output_index", "item")
+    response_id: str
+    output_index: int
+    item: dict
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputItemDone(Event):
+    type: ClassVar[str] = "response.output_item.done"
+    fields: ClassVar[tuple[str, ...]] = ("response_id", "output_index", "item")
+    response_id: str
+    output_index: int
+    item: dict
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Delta(Event):
+    fields: ClassVar[tuple[str, ...]] = ("response_id", "item_id", "delta")
+    response_id: str
+    item_id: str
+    delta: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputTextDelta(_Delta):
+    """Text appended to a message item."""
+
+    type: ClassVar[str] = "response.output_text.delta"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReasoningSummaryTextDelta(_Delta):
+    """Text appended to a reasoning item's summary (thinking models)."""
+
+    type: ClassVar[str] = "response.reasoning_summary_text.delta"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FunctionCallArgumentsDelta(_Delta):
+    """Characters appended to a function call's JSON ``arguments``."""
+
+    type: ClassVar[str] = "response.function_call_arguments.delta"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResponseCompleted(Event):
+    type: ClassVar[str] = "response.completed"
+    fields: ClassVar[tuple[str, ...]] = ("response_id", "status", "usage")
+    response_id: str
+    status: str
+    usage: dict | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResponseIncomplete(Event):
+    type: ClassVar[str] = "response.incomplete"
+    fields: ClassVar[tuple[str, ...]] = ("response_id", "status", "incomplete_details", "usage")
+    response_id: str
+    status: str
+    incomplete_details: dict | None = None
+    usage: dict | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResponseFailed(Event):
+    type: ClassVar[str] = "response.failed"
+    fields: ClassVar[tuple[str, ...]] = ("response_id", "status", "error")
+    response_id: str
+    status: str
+    error: dict | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResponseCancelled(Event):
+    type: ClassVar[str] = "response.cancelled"
+    fields: ClassVar[tuple[str, ...]] = ("response_id", "status", "usage")
+    response_id: str
+    status: str
+    usage: dict | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ErrorEvent(Event):
+    """A problem not tied to one response; the stream cannot continue."""
+
+    type: ClassVar[str] = "error"
+    fields: ClassVar[tuple[str, ...]] = ("error",)
+    error: dict
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnknownEvent(Event):
+    """An event type this client does not know, or one whose data does not
+    have the members its type requires: kept as received."""
+
+    name: str
+
+    @property
+    def event_type(self) -> str:
+        return self.name
+
+    def to_data(self) -> dict:
+        return dict(self.data)
+
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.type: cls
+    for cls in (
+        ResponseCreated,
+        OutputItemAdded,
+        OutputTextDelta,
+        ReasoningSummaryTextDelta,
+        FunctionCallArgumentsDelta,
+        OutputItemDone,
+        ResponseCompleted,
+        ResponseIncomplete,
+        ResponseFailed,
+        ResponseCancelled,
+        ErrorEvent,
+    )
+}
+
+DELTA_TYPES = (OutputTextDelta, ReasoningSummaryTextDelta, FunctionCallArgumentsDelta)
+
+
+def parse_event(name: str, data: str | dict | None, event_id: str | int | None = None) -> Event:
+    """An event from its SSE fields: ``event`` name, ``data`` (JSON text or an
+    already parsed object) and ``id`` (text or int; empty means none)."""
+    if isinstance(data, str):
+        try:
+            body: Any = json.loads(data) if data else {}
+        except ValueError:
+            body = {"_text": data}
+    else:
+        body = data if data is not None else {}
+    if not isinstance(body, dict):
+        body = {"_value": body}
+    number = _event_id(event_id)
+    cls = EVENT_TYPES.get(name)
+    if cls is not None:
+        members = {key: body[key] for key in cls.fields if key in body}
+        try:
+            return cls(id=number, data=body, **members)
+        except TypeError:  # a required member is missing: keep it as received
+            pass
+    return UnknownEvent(id=number, data=body, name=name or "message")
+
+
+def _event_id(raw: str | int | None) -> int | None:
+    if raw is None or raw == "":
+        return None
+    if isinstance(raw, int):
+        return raw
+    text = raw.strip()
+    return int(text) if text.isdigit() else None
+
+
+def output_text(response: dict) -> str:
+    """The text of a response object's message items, concatenated."""
+    return "".join(
+        part.get("text", "")
+        for item in response.get("output") or []
+        if item.get("type") == "message"
+        for part in item.get("content") or []
+        if part.get("type") == "output_text"
+    )
