@@ -4,9 +4,6 @@ decoder and the parser, whatever way the bytes are cut."""
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
-
 import httpx
 import pytest
 from httpx_sse import EventSource
@@ -16,20 +13,8 @@ from lmsp_client import events as ev
 from lmsp_client._common import GapError, Resume, real_events
 from lmsp_client.cli import build_parser, main
 from lmsp_client.errors import EventHistoryExpiredError, ProblemError, problem_error
-
-
-def service_module(name: str) -> ModuleType:
-    """The service's module, wherever the kernel keeps it now."""
-    for package in ("lmsp_core", "responses_app"):
-        try:
-            return importlib.import_module(f"{package}.{name}")
-        except ModuleNotFoundError:
-            continue
-    raise ModuleNotFoundError(name)
-
-
-protocol = service_module("protocol")
-problem = service_module("errors").problem
+from lmsp_core import protocol
+from lmsp_core.errors import problem
 
 RID, MID = "resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF", "msg_01J8M6Q4W5C8H2K9P3S7Y1A6ZE"
 USAGE = protocol.usage(28, 12)
@@ -105,7 +90,8 @@ def test_every_event_type_round_trips_through_sse(chunk):
         assert event.data == data and event.to_data() == data
         for member in type(event).fields:
             assert getattr(event, member) == data[member]
-        assert event.is_final == (name in protocol.FINAL_EVENTS)
+        # the stream ends after a final event or an ``error`` event (section 6.4)
+        assert event.is_final == (name in protocol.FINAL_EVENTS or name == "error")
         again = decode(event.to_sse().encode(), chunk)
         assert again == [event] and again[0].data == data
 

@@ -10,8 +10,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The kernel, the torch-free generation side, the apps and the worker runtime.
-PACKAGES = ("lmsp_core", "generation", "accounts_app", "tasks_app", "responses_app", "workers")
+# The kernel, the torch-free generation side, the apps, the worker runtime, and
+# the client (which users install without the service).
+PACKAGES = (
+    "lmsp_core",
+    "generation",
+    "accounts_app",
+    "tasks_app",
+    "responses_app",
+    "workers",
+    "lmsp_client",
+)
 # The composition root wires everything together and may import anything.
 COMPOSITION_ROOT = {"lmsp_project/urls.py", "lmsp_project/asgi.py", "lmsp_project/celery.py"}
 
@@ -48,6 +57,10 @@ def test_no_two_packages_import_each_other():
 
 def test_the_kernel_imports_no_app():
     assert package_imports()["lmsp_core"] == set()
+
+
+def test_the_client_imports_nothing_of_the_service():
+    assert package_imports()["lmsp_client"] == set()
 
 
 def test_the_generation_side_imports_only_the_kernel():
