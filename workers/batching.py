@@ -280,6 +280,17 @@ class _Batch:
         )
 
 
+def _packed_causal_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """The 4D boolean sdpa mask of sequences packed end to end in one row: each
+    token sees the earlier tokens of its own sequence only."""
+    owner = torch.repeat_interleave(
+        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
+    )
+    position = torch.arange(len(owner), device=device)
+    mask = (owner[:, None] == owner[None, :]) & (position[:, None] >= position[None, :])
+    return mask[None, None]
+
+
 class BatchingEngine:
     """Runs up to ``max_batch`` generations of one model at once, on one thread.
 
@@ -387,10 +398,8 @@ class BatchingEngine:
                 if batch is not None:
                     batch = self._drop_cancelled(batch)
                 parts = [batch] if batch is not None else []
-                for sequence in joining:
-                    single = self._prefill(sequence)
-                    if single is not None:
-                        parts.append(single)
+                if joining:
+                    parts += self._prefill(joining)
                 batch = _Batch.concatenate(parts) if parts else None
                 self._running = len(batch) if batch else 0
                 if batch is not None:
@@ -410,47 +419,88 @@ class BatchingEngine:
                 keep.append(row)
         return batch.filter(keep)
 
-    def _prefill(self, sequence: _Sequence) -> _Batch | None:
-        """The sequence's one-row batch after its prompt pass and first token;
-        None when it has already ended (cancelled, one token long, failed)."""
-        generation = sequence.generation
-        if generation.cancel_requested:
-            generation._finish("cancelled")
-            return None
-        if sequence.max_new_tokens <= 0:
-            generation._finish("length")
-            return None
+    def _prefill(self, sequences: list[_Sequence]) -> list[_Batch]:
+        """One-row batches of the joining sequences after their prompt pass and
+        first token, leaving out those already ended (cancelled, failed, done
+        after one token).
+
+        Sequences joining together share one forward pass, packed end to end
+        in a single row with positions restarting at each one (transformers
+        then keeps them apart with a block-diagonal mask): no padding is
+        computed, and every weight is read once for all of them.
+        """
+        ready = []
+        for sequence in sequences:
+            generation = sequence.generation
+            if generation.cancel_requested:
+                generation._finish("cancelled")
+            elif sequence.max_new_tokens <= 0:
+                generation._finish("length")
+            else:
+                try:
+                    sequence.start_matcher()
+                except Exception as exc:
+                    generation._finish("error", exc)
+                else:
+                    ready.append(sequence)
+        if not ready:
+            return []
+        if len(ready) > 1 and self.model.config._attn_implementation == "sdpa":
+            groups = [ready]
+        else:  # other attention kernels take their masks in other forms
+            groups = [[sequence] for sequence in ready]
+        return [single for group in groups for single in self._prefill_together(group)]
+
+    def _prefill_together(self, ready: list[_Sequence]) -> list[_Batch]:
+        device = self.model.device
+        lengths = [len(sequence.input_ids) for sequence in ready]
+        ends = list(itertools.accumulate(lengths))
         try:
-            sequence.start_matcher()
-            device = self.model.device
-            length = len(sequence.input_ids)
-            input_ids = torch.tensor([sequence.input_ids], device=device)
             cache = DynamicCache(config=self.model.config)
             output = self.model(
-                input_ids=input_ids,
-                position_ids=torch.arange(length, device=device).unsqueeze(0),
+                input_ids=torch.tensor([[t for s in ready for t in s.input_ids]], device=device),
+                attention_mask=_packed_causal_mask(lengths, device) if len(ready) > 1 else None,
+                position_ids=torch.cat([torch.arange(n, device=device) for n in lengths])[None],
                 cache=cache,
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=torch.tensor([end - 1 for end in ends], device=device),
             )
             if any(type(layer) is not DynamicLayer for layer in cache.layers):
                 raise NotImplementedError(
                     "Batching needs a plain DynamicCache (no sliding window)."
                 )
-            token_id = self._choose(output.logits[:, -1, :], [sequence])[0]
+            token_ids = self._choose(output.logits[0], ready)
         except Exception as exc:
-            log.exception("Prefill of generation %s failed", generation.request_id)
-            generation._finish("error", exc)
-            return None
-        if sequence.take(token_id):
-            return None
-        return _Batch(
-            [sequence],
-            cache,
-            torch.ones((1, length), dtype=torch.long, device=device),
-            torch.tensor([[token_id]], device=device),
-            torch.tensor([[length]], device=device),
-        )
+            log.exception("Prefill of %d generations failed", len(ready))
+            for sequence in ready:
+                sequence.generation._finish("error", exc)
+            return []
+        singles = []
+        for sequence, token_id, length, end in zip(ready, token_ids, lengths, ends, strict=True):
+            if sequence.take(token_id):
+                continue
+            if len(ready) == 1:
+                own_cache = cache
+            else:  # this sequence's own stretch of the packed cache
+                own_cache = DynamicCache(
+                    ddp_cache_data=[
+                        (
+                            layer.keys[:, :, end - length : end],
+                            layer.values[:, :, end - length : end],
+                        )
+                        for layer in cache.layers
+                    ]
+                )
+            singles.append(
+                _Batch(
+                    [sequence],
+                    own_cache,
+                    torch.ones((1, length), dtype=torch.long, device=device),
+                    torch.tensor([[token_id]], device=device),
+                    torch.tensor([[length]], device=device),
+                )
+            )
+        return singles
 
     def _decode(self, batch: _Batch) -> _Batch | None:
         """One decoding step for every row; returns the rows still going."""
