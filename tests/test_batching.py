@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from workers import constraints, engine, prompts
-from workers.batching import BatchingEngine, Generation
+from workers.batching import BatchingEngine, Generation, engine_for
 from workers.loading import load_model
 from workers.registry import get_model
 
@@ -252,3 +252,14 @@ def test_stream_yields_the_tokens_then_ends(lm, requests, batching):
     gen = batching.submit(ids, greedy(10))
     assert list(gen.stream(timeout=120)) == alone[:10]
     assert gen.done
+
+
+def test_one_engine_per_loaded_model(lm):
+    first = engine_for(lm)
+    try:
+        assert engine_for(lm, max_batch=4) is first and first.max_batch == 8
+    finally:
+        first.close(timeout=60)
+    second = engine_for(lm)
+    assert second is not first
+    second.close(timeout=60)

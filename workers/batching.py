@@ -13,11 +13,12 @@ How a batch is kept (``_Batch``): one row per generation over a
 left-padded KV cache (a transformers ``DynamicCache``, ``[rows, heads,
 positions, head_dim]`` per layer). Beside it, per row: the token to feed
 next, a 0/1 attention mask over the cache positions (0 = left padding) and
-the position id of that token, so RoPE sees each row's own positions. A new
-request is prefilled alone (its prompt plus any tokens an earlier attempt
-generated), its first token sampled from that prefill, and its cache then
-merged into the running batch, padded on the left to the longest row
-(``concatenate``). A finished or cancelled row is dropped at once
+the position id of that token, so RoPE sees each row's own positions. New
+requests are prefilled (their prompt plus any tokens an earlier attempt
+generated; those joining at the same step in one pass, packed end to end
+without padding), their first token sampled from that prefill, and their
+caches then merged into the running batch, padded on the left to the
+longest row (``concatenate``). A finished or cancelled row is dropped at once
 (``filter``), and the cache columns that were padding in every remaining
 row are cut off.
 
@@ -372,6 +373,10 @@ class BatchingEngine:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def closed(self) -> bool:
+        return self._closing
+
     def close(self, timeout: float | None = None) -> None:
         """Stop the engine thread after its current step; unfinished requests end
         as ``cancelled``."""
@@ -559,3 +564,17 @@ class BatchingEngine:
         sampled = torch.multinomial(probabilities, num_samples=1).squeeze(1)
         is_greedy = torch.tensor([t <= 0 for t in temperatures], device=logits.device)
         return torch.where(is_greedy, greedy, sampled).tolist()
+
+
+_engines: dict[str, BatchingEngine] = {}
+_engines_lock = threading.Lock()
+
+
+def engine_for(lm: LoadedModel, max_batch: int = 8) -> BatchingEngine:
+    """The process's one engine for a loaded model, started on first use
+    (``max_batch`` counts only then)."""
+    with _engines_lock:
+        running = _engines.get(lm.spec.id)
+        if running is None or running.closed:
+            running = _engines[lm.spec.id] = BatchingEngine(lm, max_batch=max_batch)
+        return running
