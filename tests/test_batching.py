@@ -1,0 +1,265 @@
+"""The batching engine on the real SmolLM2 model, in process.
+
+Every batched greedy output is compared token for token with the same
+request generated alone through ``workers.engine.generate`` (the path the
+worker uses today): batching must change throughput, never answers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jsonschema
+import pytest
+import torch
+
+from workers import constraints, engine, prompts
+from workers.batching import BatchingEngine, Generation, engine_for
+from workers.loading import load_model
+from workers.registry import get_model
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+}
+# Different prompt lengths and token limits, so rows join padded and leave
+# at different steps (some end on their own before their limit).
+QUESTIONS = [
+    ("Say hello.", 24),
+    ("What is the capital of France? Answer in one sentence.", 28),
+    ("Write a haiku about the sea.", 40),
+    ("List three fruits.", 32),
+    ("Explain gravity to a child in two sentences.", 36),
+    ("Count from one to ten in words.", 40),
+    ("Why is the sky blue?", 30),
+    ("Give me a name for a cat, and tell me why you chose it.", 34),
+]
+
+
+def message(text: str) -> dict:
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+def prompt_ids(lm, text: str, params: dict | None = None) -> list[int]:
+    rendered = prompts.render_prompt(lm.spec, lm.tokenizer, [message(text)], params or {})
+    return lm.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def generate_alone(lm, ids: list[int], limit: int) -> list[int]:
+    """Greedy tokens of one request through the unbatched path, end token included."""
+    out: list[int] = []
+    engine.generate(
+        lm,
+        ids,
+        engine.Sampling(max_new_tokens=limit, temperature=0),
+        lambda token_id: out.append(token_id) or False,
+    )
+    return out
+
+
+def first_difference(lm, ids: list[int], alone: list[int], batched: list[int]) -> str:
+    """Where two outputs part, and how close the unbatched logits were there."""
+    at = next(
+        (i for i, (a, b) in enumerate(zip(alone, batched, strict=False)) if a != b),
+        min(len(alone), len(batched)),
+    )
+    if at == min(len(alone), len(batched)):
+        return f"lengths differ: {len(alone)} alone, {len(batched)} batched"
+    with torch.inference_mode():
+        logits = lm.model(torch.tensor([ids + alone[:at]])).logits[0, -1].float()
+    gap = float(logits[alone[at]] - logits[batched[at]])
+    return (
+        f"first difference at token {at}: alone {alone[at]}, batched {batched[at]}; "
+        f"logit gap between them when alone {gap:.3g}"
+    )
+
+
+def assert_same(lm, ids: list[int], alone: list[int], gen: Generation) -> None:
+    assert gen.error is None, gen.error
+    assert gen.token_ids == alone, first_difference(lm, ids, alone, gen.token_ids)
+
+
+def wait_for_tokens(gen: Generation, count: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while len(gen.token_ids) < count and not gen.done:
+        assert time.monotonic() < deadline, "no tokens came"
+        time.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def lm():  # noqa: ANN201
+    return load_model(get_model("smollm2:135m"))
+
+
+@pytest.fixture(scope="module")
+def requests(lm) -> list[tuple[list[int], int, list[int]]]:
+    """(prompt ids, token limit, unbatched greedy output) per question."""
+    out = []
+    for text, limit in QUESTIONS:
+        ids = prompt_ids(lm, text)
+        out.append((ids, limit, generate_alone(lm, ids, limit)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def batching(lm):  # noqa: ANN201
+    running = BatchingEngine(lm, max_batch=8)
+    yield running
+    running.close(timeout=60)
+
+
+def greedy(limit: int) -> engine.Sampling:
+    return engine.Sampling(max_new_tokens=limit, temperature=0)
+
+
+def test_eight_concurrent_greedy_requests_equal_their_solo_outputs(lm, requests, batching):
+    gens = [batching.submit(ids, greedy(limit)) for ids, limit, _ in requests]
+    for gen in gens:
+        assert gen.wait(300)
+    for (ids, _, alone), gen in zip(requests, gens, strict=True):
+        assert_same(lm, ids, alone, gen)
+        ended_alone = alone[-1] in lm.eos_token_ids
+        assert gen.finish_reason == ("eos" if ended_alone else "length")
+    # the outputs really came from one batch: rows ran side by side
+    assert max(g.first_token_at for g in gens) < min(g.finished_at for g in gens)
+    deadline = time.monotonic() + 5  # the engine updates its count after the last token
+    while batching.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert batching.running == 0 and batching.waiting == 0
+
+
+def test_grammar_and_free_requests_share_a_batch(lm, requests, batching):
+    params = {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+    }
+    grammar = constraints.compiled_grammar(lm, params)
+    json_ids = prompt_ids(lm, "Invent a person.", params)
+    free_ids, free_limit, free_alone = requests[2]
+    constrained = batching.submit(json_ids, greedy(48), grammar=grammar)
+    free = batching.submit(free_ids, greedy(free_limit))
+    sampled = batching.submit(free_ids, engine.Sampling(max_new_tokens=24, temperature=0.8))
+    for gen in (constrained, free, sampled):
+        assert gen.wait(300)
+    assert constrained.error is None and constrained.finish_reason == "eos"
+    answer = json.loads(lm.tokenizer.decode(constrained.token_ids, skip_special_tokens=True))
+    jsonschema.validate(answer, PERSON)
+    assert_same(lm, free_ids, free_alone, free)  # a masked neighbour changes nothing
+    assert sampled.error is None and len(sampled.token_ids) > 0
+
+
+def test_cancelling_one_of_eight_leaves_the_others_exact(lm, requests, batching):
+    victim = 5  # its greedy answer runs to its limit, so it is still going when cancelled
+    assert len(requests[victim][2]) == requests[victim][1]
+    gens = [batching.submit(ids, greedy(limit)) for ids, limit, _ in requests]
+    wait_for_tokens(gens[victim], 6)
+    gens[victim].cancel()
+    had = len(gens[victim].token_ids)
+    for gen in gens:
+        assert gen.wait(300)
+    assert gens[victim].finish_reason == "cancelled"
+    assert len(gens[victim].token_ids) <= had + 1  # gone within one decoding step
+    assert gens[victim].token_ids == requests[victim][2][: len(gens[victim].token_ids)]
+    for row, ((ids, _, alone), gen) in enumerate(zip(requests, gens, strict=True)):
+        if row != victim:
+            assert_same(lm, ids, alone, gen)
+
+
+def test_a_failing_or_stopping_callback_ends_only_its_own_request(lm, requests, batching):
+    def explode(token_id: int) -> bool:
+        if len(exploding.token_ids) == 3:
+            raise ValueError("the consumer broke")
+        return False
+
+    stopping_seen: list[int] = []
+
+    def stop_after_five(token_id: int) -> bool:
+        stopping_seen.append(token_id)
+        return len(stopping_seen) == 5
+
+    (ids0, _, alone0), (ids1, _, alone1), (ids2, limit2, alone2) = (
+        requests[3],
+        requests[5],
+        requests[4],
+    )
+    exploding = batching.submit(ids0, greedy(16), explode)
+    stopping = batching.submit(ids1, greedy(16), stop_after_five)
+    healthy = batching.submit(ids2, greedy(limit2))
+    for gen in (exploding, stopping, healthy):
+        assert gen.wait(300)
+    assert exploding.finish_reason == "error" and isinstance(exploding.error, ValueError)
+    assert exploding.token_ids == alone0[:3]
+    assert stopping.finish_reason == "stopped" and stopping.token_ids == alone1[:5]
+    assert stopping_seen == stopping.token_ids
+    assert_same(lm, ids2, alone2, healthy)
+
+
+def test_a_request_joins_while_others_decode(lm, requests, batching):
+    running = [batching.submit(ids, greedy(limit)) for ids, limit, _ in requests[4:7]]
+    wait_for_tokens(running[0], 4)
+    joined_at = time.monotonic()
+    ids, _, alone = requests[1]
+    joiner = batching.submit(ids, greedy(8))
+    assert joiner.wait(300)
+    for gen in running:
+        assert gen.wait(300)
+    assert all(gen.finished_at > joined_at for gen in running)  # they were still decoding
+    assert joiner.first_token_at < min(gen.finished_at for gen in running)
+    assert joiner.token_ids == alone[:8]
+    for (ids, _, alone), gen in zip(requests[4:7], running, strict=True):
+        assert_same(lm, ids, alone, gen)
+
+
+def test_resuming_from_a_prefix_continues_as_an_uninterrupted_run(lm, requests, batching):
+    params = {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+    }
+    grammar = constraints.compiled_grammar(lm, params)
+    json_ids = prompt_ids(lm, "Invent a person.", params)
+    free_ids, free_limit, free_alone = requests[5]
+    whole = batching.submit(json_ids, greedy(40), grammar=grammar)
+    assert whole.wait(300) and whole.error is None
+    cut = 12
+    assert len(whole.token_ids) > cut and len(free_alone) > cut
+    resumed_json = batching.submit(
+        json_ids, greedy(40 - cut), generated_ids=whole.token_ids[:cut], grammar=grammar
+    )
+    resumed_free = batching.submit(
+        free_ids, greedy(free_limit - cut), generated_ids=free_alone[:cut]
+    )
+    for gen in (resumed_json, resumed_free):
+        assert gen.wait(300) and gen.error is None
+    assert resumed_json.token_ids == whole.token_ids[cut:]
+    assert resumed_free.token_ids == free_alone[cut:]
+    jsonschema.validate(json.loads(lm.tokenizer.decode(whole.token_ids[:-1])), PERSON)
+
+
+def test_tokens_that_break_the_grammar_fail_only_that_resume(lm, batching):
+    params = {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+    }
+    grammar = constraints.compiled_grammar(lm, params)
+    ids = prompt_ids(lm, "Invent a person.", params)
+    broken = lm.tokenizer("Hello", add_special_tokens=False)["input_ids"]
+    gen = batching.submit(ids, greedy(8), generated_ids=broken, grammar=grammar)
+    assert gen.wait(60)
+    assert gen.finish_reason == "error" and "breaks the grammar" in str(gen.error)
+
+
+def test_stream_yields_the_tokens_then_ends(lm, requests, batching):
+    ids, _, alone = requests[0]
+    gen = batching.submit(ids, greedy(10))
+    assert list(gen.stream(timeout=120)) == alone[:10]
+    assert gen.done
+
+
+def test_one_engine_per_loaded_model(lm):
+    first = engine_for(lm)
+    try:
+        assert engine_for(lm, max_batch=4) is first and first.max_batch == 8
+    finally:
+        first.close(timeout=60)
+    second = engine_for(lm)
+    assert second is not first
+    second.close(timeout=60)
