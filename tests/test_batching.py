@@ -14,10 +14,13 @@ import jsonschema
 import pytest
 import torch
 
-from workers import constraints, engine, prompts
+from generation import prompts
+from generation.params import GenerationParams
+from generation.registry import get_model
+from generation.tokens import prompt_tokenizer
+from workers import constraints, engine
 from workers.batching import BatchingEngine, Generation, engine_for
 from workers.loading import load_model
-from workers.registry import get_model
 
 PERSON = {
     "type": "object",
@@ -36,14 +39,20 @@ QUESTIONS = [
     ("Why is the sky blue?", 30),
     ("Give me a name for a cat, and tell me why you chose it.", 34),
 ]
+PERSON_PARAMS = GenerationParams(
+    response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+)
 
 
 def message(text: str) -> dict:
     return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
 
 
-def prompt_ids(lm, text: str, params: dict | None = None) -> list[int]:
-    rendered = prompts.render_prompt(lm.spec, lm.tokenizer, [message(text)], params or {})
+def prompt_ids(lm, text: str, params: GenerationParams | None = None) -> list[int]:
+    tokenizer = prompt_tokenizer(lm.spec)
+    rendered = prompts.render_prompt(
+        lm.spec, tokenizer, [message(text)], params or GenerationParams()
+    )
     return lm.tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
@@ -131,9 +140,7 @@ def test_eight_concurrent_greedy_requests_equal_their_solo_outputs(lm, requests,
 
 
 def test_grammar_and_free_requests_share_a_batch(lm, requests, batching):
-    params = {
-        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
-    }
+    params = PERSON_PARAMS
     grammar = constraints.compiled_grammar(lm, params)
     json_ids = prompt_ids(lm, "Invent a person.", params)
     free_ids, free_limit, free_alone = requests[2]
@@ -212,9 +219,7 @@ def test_a_request_joins_while_others_decode(lm, requests, batching):
 
 
 def test_resuming_from_a_prefix_continues_as_an_uninterrupted_run(lm, requests, batching):
-    params = {
-        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
-    }
+    params = PERSON_PARAMS
     grammar = constraints.compiled_grammar(lm, params)
     json_ids = prompt_ids(lm, "Invent a person.", params)
     free_ids, free_limit, free_alone = requests[5]
@@ -236,9 +241,7 @@ def test_resuming_from_a_prefix_continues_as_an_uninterrupted_run(lm, requests, 
 
 
 def test_tokens_that_break_the_grammar_fail_only_that_resume(lm, batching):
-    params = {
-        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
-    }
+    params = PERSON_PARAMS
     grammar = constraints.compiled_grammar(lm, params)
     ids = prompt_ids(lm, "Invent a person.", params)
     broken = lm.tokenizer("Hello", add_special_tokens=False)["input_ids"]
