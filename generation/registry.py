@@ -26,6 +26,8 @@ class ModelSpec:
     max_output_tokens: int
     capabilities: tuple[str, ...]
     tool_format: str = "hermes"
+    # Generations one worker process decodes together (continuous batching).
+    max_batch: int = 8
     package: str = ""
     file: str = ""
     path: str = ""
@@ -66,12 +68,13 @@ def parse_registry(text: str) -> dict[str, ModelSpec]:
             max_output_tokens=int(entry["max_output_tokens"]),
             capabilities=tuple(entry.get("capabilities", [])),
             tool_format=entry.get("tool_format", "hermes"),
+            max_batch=int(entry.get("max_batch", ModelSpec.max_batch)),
             package=entry.get("package", ""),
             file=entry.get("file", ""),
             path=entry.get("path", ""),
         )
         unknown = set(spec.capabilities) - CAPABILITIES
-        if spec.source not in SOURCES or unknown:
+        if spec.source not in SOURCES or unknown or spec.max_batch < 1:
             raise ValueError(f"models.toml: bad entry {spec.id!r} (source or {sorted(unknown)})")
         if spec.id in specs:
             raise ValueError(f"models.toml: {spec.id!r} is declared twice")

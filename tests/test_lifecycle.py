@@ -133,3 +133,20 @@ def test_a_full_queue_refuses_new_work_with_503(settings, client):
     assert answer["Content-Type"] == "application/problem+json"
     assert answer.json()["code"] == "overloaded"
     assert Task.objects.count() == 1
+
+
+def test_claims_are_fair_and_an_owner_at_its_running_quota_waits(settings):
+    """A claim takes the fairest task of the model, not the one its message
+    names; an owner at its running quota is passed over until a generation of
+    its own ends, which sends a slot again."""
+    settings.LMSP_QUOTA_MAX_RUNNING = 1
+    first, second = new_task(), new_task()  # alice's backlog
+    bob, _ = get_user_model().objects.get_or_create(username="bob")
+    prepared = prepare_generation(bob, validate_response_request(request_body()))
+    newcomer = start_generation(bob, prepared, TaskKind.TASK)
+    assert lifecycle.claim(second.id, "w1").id == first.id  # oldest first, whatever the message
+    assert lifecycle.claim(first.id, "w2").id == newcomer.id  # bob before alice's second
+    assert lifecycle.claim(first.id, "w3") is None  # alice has one running: her quota
+    claimed = Task.objects.get(id=first.id)
+    assert lifecycle.finish(first.id, claimed.attempt, [], lifecycle.Outcome("incomplete"))
+    assert lifecycle.claim(first.id, "w4").id == second.id

@@ -110,6 +110,22 @@ class Generation:
                 return
             yield item
 
+    def tokens(self, poll: float) -> Iterator[int | None]:
+        """The tokens as they come (for requests submitted without ``on_token``),
+        and None whenever ``poll`` seconds pass without one, so that the caller
+        can do its own work between tokens; ends when the request has finished."""
+        if self._stream is None:
+            raise RuntimeError("This request delivers its tokens to its on_token callback.")
+        while True:
+            try:
+                item = self._stream.get(timeout=poll)
+            except queue.Empty:
+                yield None
+                continue
+            if item is _STREAM_END:
+                return
+            yield item
+
     # --- called on the engine thread -----------------------------------------------
 
     def _deliver(self, token_id: int, on_token: TokenCallback | None) -> bool:

@@ -1,10 +1,12 @@
 """Running one task: the plain function behind the Celery job.
 
 The run claims the task, restores where an earlier attempt stopped (its
-checkpoint), generates, and writes events in batches: one transaction per
-flush, at most every ``LMSP_FLUSH_INTERVAL_SECONDS``. Each flush also renews
-the lease and reads the cancel flag, so a cancel or a lost lease stops
-generation at the next decoding step after it.
+checkpoint), generates in the model's continuous batch (``batching``), and
+writes events in batches: one transaction per flush, at most every
+``LMSP_FLUSH_INTERVAL_SECONDS``. Each flush also renews the lease and reads
+the cancel flag, so a cancel or a lost lease takes the request out of the
+batch at the next decoding step after it. A worker runs several of these at
+once, one per Celery thread, all feeding the same engine.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from tasks_app import lifecycle
 from tasks_app.models import Task
 
 from . import constraints, engine
-from .loading import load_model
+from .batching import engine_for
+from .loading import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 
@@ -80,33 +83,12 @@ class GenerationRun:
     def run(self) -> str | None:
         lm = load_model(self.spec)
         detok = engine.IncrementalDetokenizer(lm.tokenizer, **self.offsets)
-        eos = lm.eos_token_ids
-        max_tokens = self.params.max_output_tokens
-
-        def on_token(token_id: int) -> bool:
-            if token_id in eos:
-                self.ended_by_model = True
-                return True
-            self.token_ids.append(token_id)
-            self.pending += self.assembler.feed(detok.step(self.token_ids))
-            if time.monotonic() - self.last_flush >= settings.LMSP_FLUSH_INTERVAL_SECONDS:
-                self._flush(detok)
-            if len(self.token_ids) >= max_tokens:
-                return True
-            return self.stop is not None
-
         self._flush(detok)  # notices a cancel before starting
-        remaining = max_tokens - len(self.token_ids)
+        remaining = self.params.max_output_tokens - len(self.token_ids)
         if self.stop is None and remaining > 0:
             prompt_ids = lm.tokenizer(self.response.prompt, add_special_tokens=False)["input_ids"]
             with self._lease_kept():
-                engine.generate(
-                    lm,
-                    prompt_ids + self.token_ids,
-                    engine.Sampling(max_new_tokens=remaining, temperature=self.params.temperature),
-                    on_token,
-                    constraints.logits_processors(lm, self.params, self.token_ids),
-                )
+                self._decode(lm, detok, prompt_ids, remaining)
         self.ended_by_grammar = not self.ended_by_model and constraints.ended(
             lm, self.params, self.token_ids
         )
@@ -115,6 +97,43 @@ class GenerationRun:
             return None
         self.pending += self.assembler.feed(detok.rest(self.token_ids))
         return self._finish()
+
+    def _decode(
+        self,
+        lm: LoadedModel,
+        detok: engine.IncrementalDetokenizer,
+        prompt_ids: list[int],
+        remaining: int,
+    ) -> None:
+        """Generate in the model's batch, beside whatever else this worker runs.
+
+        The engine thread only decodes; this job's thread turns the tokens into
+        events and writes them, so a slow flush never holds up the batch. A
+        flush also runs when no token came for a flush interval (the request
+        may wait for a batch slot), so a cancel is noticed then too.
+        """
+        generation = engine_for(lm, self.spec.max_batch).submit(
+            prompt_ids,
+            engine.Sampling(max_new_tokens=remaining, temperature=self.params.temperature),
+            generated_ids=self.token_ids,
+            grammar=constraints.compiled_grammar(lm, self.params),
+        )
+        interval = settings.LMSP_FLUSH_INTERVAL_SECONDS
+        try:
+            for token_id in generation.tokens(poll=interval):
+                if token_id in lm.eos_token_ids:
+                    self.ended_by_model = True
+                elif token_id is not None:
+                    self.token_ids.append(token_id)
+                    self.pending += self.assembler.feed(detok.step(self.token_ids))
+                if time.monotonic() - self.last_flush >= interval:
+                    self._flush(detok)
+                if self.stop is not None:
+                    return
+        finally:
+            generation.cancel()  # leaves the batch at its next step; no-op once finished
+        if generation.error is not None:
+            raise generation.error
 
     @contextmanager
     def _lease_kept(self) -> Iterator[None]:

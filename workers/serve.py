@@ -3,8 +3,9 @@
     python -m workers.serve            # every available model
     LMSP_WORKER_MODELS=smollm2:135m python -m workers.serve
 
-A model worker runs the solo pool: one generation at a time, in the process
-that loaded the model (no fork after the weights are in memory).
+A model worker runs the threads pool in the process that loaded the model
+(no fork after the weights are in memory): up to ``max_batch`` jobs per model
+at once, decoded together by the model's batching engine.
 """
 
 import os
@@ -19,16 +20,21 @@ def main() -> None:
     from generation.registry import served_models
     from lmsp_project.celery import app
 
-    queues = ",".join(spec.queue for spec in served_models())
-    if not queues:
+    served = served_models()
+    if not served:
         sys.exit("No model to serve: none of models.toml's models is on this machine.")
+    # One thread per generation the engines can hold at once: each job thread
+    # claims a task, feeds it to its model's engine and writes its events.
+    concurrency = sum(spec.max_batch for spec in served)
     app.worker_main(
         [
             "worker",
             "--pool",
-            "solo",
+            "threads",
+            "--concurrency",
+            str(concurrency),
             "--queues",
-            queues,
+            ",".join(spec.queue for spec in served),
             "--hostname",
             f"models-{os.getpid()}@%h",
             "--loglevel",

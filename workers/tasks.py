@@ -31,21 +31,23 @@ _heartbeat: heartbeat.Heartbeat | None = None
 
 @worker_ready.connect
 def serve_models(sender: object, **_: object) -> None:
-    """Load the models whose queues this worker consumes before its first job,
-    then tell the admin it serves them (the ops worker consumes none).
+    """Load the models whose queues this worker consumes and start their
+    batching engines before the first job, then tell the admin it serves them
+    (the ops worker consumes none).
 
-    Model workers run the solo pool, so this is the process that generates;
+    Model workers run the threads pool, so this is the process that generates;
     with a prefork pool the weights would be loaded before the fork, which
     CUDA does not survive."""
     from generation.registry import available_models
 
+    from .batching import engine_for
     from .loading import load_model
 
     global _heartbeat
     queues = set(sender.app.amqp.queues.consume_from)
     served = [spec for spec in available_models().values() if spec.queue in queues]
     for spec in served:
-        load_model(spec)
+        engine_for(load_model(spec), spec.max_batch)
     if served:
         _heartbeat = heartbeat.Heartbeat([spec.id for spec in served], sender.hostname)
         _heartbeat.start()
