@@ -141,7 +141,9 @@ def drf_exception_handler(exc: Exception, context: dict) -> JsonResponse | None:
     if isinstance(exc, drf_exceptions.UnsupportedMediaType):
         return problem_response(
             ProblemError(
-                "invalid_request", "The body must be JSON (Content-Type: application/json)."
+                "invalid_request",
+                "The body must be JSON (Content-Type: application/json).",
+                param="Content-Type",
             )
         )
     if isinstance(exc, drf_exceptions.NotFound):

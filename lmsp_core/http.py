@@ -50,7 +50,9 @@ def json_body(request: HttpRequest) -> object:
     content_type = request.headers.get("Content-Type", "application/json")
     if content_type.split(";")[0].strip().lower() != "application/json":
         raise ProblemError(
-            "invalid_request", "The body must be JSON (Content-Type: application/json)."
+            "invalid_request",
+            "The body must be JSON (Content-Type: application/json).",
+            param="Content-Type",
         )
     if not request.body:
         raise ProblemError("invalid_request", "The request body is empty.", param="body")

@@ -80,6 +80,9 @@ def test_headers_and_path_ids(api):
         headers={"Idempotency-Key": "é".encode("latin-1")},
     )
     assert_problem(answer, 400, "invalid_request", "Idempotency-Key")
+    for path in ("/lmsp/v1/responses", "/lmsp/v1/tasks"):
+        answer = api.post(path, content=b"{}", headers={"Content-Type": "text/plain"})
+        assert_problem(answer, 400, "invalid_request", "Content-Type")
     assert_problem(api.get("/lmsp/v1/tasks/task_%00"), 404, "task_not_found")
     assert_problem(api.get("/lmsp/v1/tasks/%00/events"), 404, "task_not_found")
     assert_problem(api.post("/lmsp/v1/tasks/task_%00/cancel"), 404, "task_not_found")
