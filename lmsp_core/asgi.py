@@ -27,7 +27,7 @@ from typing import Any
 
 from django.conf import settings
 
-from .errors import problem
+from .errors import STATUS_BY_CODE, problem
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -43,7 +43,7 @@ async def _answer(send: Send, code: str, detail: str) -> None:
     await send(
         {
             "type": "http.response.start",
-            "status": 413 if code == "payload_too_large" else 408,
+            "status": STATUS_BY_CODE[code],
             "headers": [
                 (b"content-type", b"application/problem+json"),
                 (b"content-length", str(len(body)).encode()),
