@@ -54,9 +54,7 @@ class TaskCollectionView(APIView):
             raise ProblemError(
                 "invalid_request", "after must be a task id (task_ and a ULID).", param="after"
             )
-        tasks, has_more = selectors.task_page(
-            request.user, limit=limit, after=after, status=status
-        )
+        tasks, has_more = selectors.task_page(request.user, limit=limit, after=after, status=status)
         next_cursor = tasks[-1].id if has_more else None
         data = [protocol.task_object(task) for task in tasks]
         return DRFResponse(protocol.list_object(data, has_more=has_more, next_cursor=next_cursor))
