@@ -27,6 +27,7 @@ STATUS_BY_CODE = {
     "response_not_found": 404,
     "task_not_found": 404,
     "method_not_allowed": 405,
+    "request_timeout": 408,
     "idempotency_key_in_use": 409,
     "task_not_cancellable": 409,
     "event_history_expired": 410,
@@ -51,6 +52,7 @@ TITLES = {
     "response_not_found": "Response not found",
     "task_not_found": "Task not found",
     "method_not_allowed": "Method not allowed",
+    "request_timeout": "Request timeout",
     "idempotency_key_in_use": "Idempotency key in use",
     "task_not_cancellable": "Task not cancellable",
     "event_history_expired": "Event history expired",
@@ -133,11 +135,15 @@ def drf_exception_handler(exc: Exception, context: dict) -> JsonResponse | None:
             )
         )
     if isinstance(exc, drf_exceptions.ParseError):
-        return problem_response(ProblemError("invalid_request", f"Malformed JSON body: {exc}"))
+        return problem_response(
+            ProblemError("invalid_request", f"Malformed JSON body: {exc}", param="body")
+        )
     if isinstance(exc, drf_exceptions.UnsupportedMediaType):
         return problem_response(
             ProblemError(
-                "invalid_request", "The body must be JSON (Content-Type: application/json)."
+                "invalid_request",
+                "The body must be JSON (Content-Type: application/json).",
+                param="Content-Type",
             )
         )
     if isinstance(exc, drf_exceptions.NotFound):

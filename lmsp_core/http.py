@@ -31,6 +31,12 @@ async def db_call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> An
     return await sync_to_async(call, thread_sensitive=False)()
 
 
+async def cpu_call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run CPU work (parsing, validating a body) on a worker thread, so that
+    the event loop keeps serving other requests and streams meanwhile."""
+    return await sync_to_async(function, thread_sensitive=False)(*args, **kwargs)
+
+
 def check_method(request: HttpRequest, allowed: tuple[str, ...]) -> None:
     if request.method not in allowed:
         raise ProblemError(
@@ -44,10 +50,12 @@ def json_body(request: HttpRequest) -> object:
     content_type = request.headers.get("Content-Type", "application/json")
     if content_type.split(";")[0].strip().lower() != "application/json":
         raise ProblemError(
-            "invalid_request", "The body must be JSON (Content-Type: application/json)."
+            "invalid_request",
+            "The body must be JSON (Content-Type: application/json).",
+            param="Content-Type",
         )
     if not request.body:
-        raise ProblemError("invalid_request", "The request body is empty.")
+        raise ProblemError("invalid_request", "The request body is empty.", param="body")
     return loads_strict(request.body)
 
 

@@ -89,6 +89,6 @@ def too_large() -> ProblemError:
 
 
 def check_body_size(content_length: str | None) -> None:
-    if content_length and content_length.isdigit():
+    if content_length and content_length.isascii() and content_length.isdigit():
         if int(content_length) > settings.LMSP_MAX_BODY_BYTES:
             raise too_large()

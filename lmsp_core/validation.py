@@ -7,6 +7,9 @@ the first failing field (``input[0].content[0].type``) in a problem document.
 
 from __future__ import annotations
 
+import re
+
+from django.conf import settings
 from rest_framework import serializers
 
 from .errors import ProblemError
@@ -43,9 +46,22 @@ class StrictFloatField(serializers.FloatField):
 
 
 class StrictListField(serializers.ListField):
+    """A JSON array; with ``limit`` (the name of a setting), of at most that
+    many members, counted before any member is validated."""
+
+    def __init__(self, *args: object, limit: str | None = None, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.limit = limit
+
     def to_internal_value(self, data: object) -> list:
         if not isinstance(data, list):
             self.fail("not_a_list", input_type=type(data).__name__)
+        if self.limit is not None:
+            most = getattr(settings, self.limit)
+            if len(data) > most:
+                raise serializers.ValidationError(
+                    f"At most {most} members are allowed ({self.limit}); got {len(data)}."
+                )
         return super().to_internal_value(data)
 
 
@@ -78,6 +94,23 @@ def json_type(value: object) -> str:
     )
 
 
+# --- query parameters and headers ------------------------------------------------
+
+_DECIMAL = re.compile(r"[0-9]{1,18}")  # ASCII digits only: str.isdigit accepts "²"
+
+
+def integer_param(raw: str, name: str, low: int, high: int | None = None) -> int:
+    """A query parameter or header holding a decimal integer in bounds, else 400
+    naming it. Only ASCII digits, at most 18 of them."""
+    if _DECIMAL.fullmatch(raw) is None or int(raw) < low or (high is not None and int(raw) > high):
+        bounds = f"from {low} to {high}" if high is not None else f"at least {low}"
+        shown = raw if len(raw) <= 40 else raw[:40] + "..."
+        raise ProblemError(
+            "invalid_request", f"{name} must be an integer {bounds}, not {shown!r}.", param=name
+        )
+    return int(raw)
+
+
 # --- errors ---------------------------------------------------------------------
 
 
@@ -90,7 +123,8 @@ def _first_error(detail: object, path: str = "") -> tuple[str, object]:
         elif key == "non_field_errors":
             child = path
         else:
-            child = f"{path}.{key}" if path else str(key)
+            name = str(key) if len(str(key)) <= 64 else str(key)[:64] + "..."
+            child = f"{path}.{name}" if path else name
         return _first_error(value, child)
     if isinstance(detail, list):
         for index, value in enumerate(detail):

@@ -1,7 +1,14 @@
+"""The ASGI application: Django behind the body limit and upload timeout
+(``lmsp_core.asgi.BoundedBody``), which act before Django reads a byte."""
+
 import os
 
 from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lmsp_project.settings")
 
-application = get_asgi_application()
+django_application = get_asgi_application()
+
+from lmsp_core.asgi import BoundedBody  # noqa: E402 - needs the settings configured
+
+application = BoundedBody(django_application)

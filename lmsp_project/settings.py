@@ -75,6 +75,24 @@ STATIC_ROOT = DATA_DIR / "static"
 # Request bodies above this are answered 413 payload_too_large.
 LMSP_MAX_BODY_BYTES = env_int("LMSP_MAX_BODY_BYTES", 1_000_000)
 DATA_UPLOAD_MAX_MEMORY_SIZE = LMSP_MAX_BODY_BYTES
+# The whole body must have arrived this long after the request's headers;
+# a slower upload is answered 408 request_timeout (lmsp_core.asgi).
+LMSP_BODY_TIMEOUT_SECONDS = env_float("LMSP_BODY_TIMEOUT_SECONDS", 30.0)
+
+# --- request limits (lmsp_core.jsonbody, responses_app.serializers) -----------
+# Arrays and objects in a request body nest at most this deep.
+LMSP_MAX_JSON_DEPTH = env_int("LMSP_MAX_JSON_DEPTH", 64)
+# Items in a request's input, and content parts (or summary parts) in one item.
+LMSP_MAX_INPUT_ITEMS = env_int("LMSP_MAX_INPUT_ITEMS", 1000)
+LMSP_MAX_CONTENT_PARTS = env_int("LMSP_MAX_CONTENT_PARTS", 100)
+LMSP_MAX_TOOLS = env_int("LMSP_MAX_TOOLS", 128)
+# One JSON Schema (a tool's parameters, a json_schema answer): its size as
+# compact JSON, its nesting depth as a JSON document, and the most times a
+# regular expression in it ("pattern") may repeat something, nested
+# repetitions multiplied. Compiling a grammar grows fast with the last two.
+LMSP_MAX_SCHEMA_BYTES = env_int("LMSP_MAX_SCHEMA_BYTES", 65_536)
+LMSP_MAX_SCHEMA_DEPTH = env_int("LMSP_MAX_SCHEMA_DEPTH", 32)
+LMSP_MAX_PATTERN_REPEAT = env_int("LMSP_MAX_PATTERN_REPEAT", 1000)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["accounts_app.authentication.BearerTokenAuthentication"],

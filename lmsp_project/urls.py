@@ -7,6 +7,8 @@ from lmsp_core.http import csrf_free
 from responses_app import views as responses
 from tasks_app import views as tasks
 
+from .openapi import openapi_json
+
 
 @csrf_free
 def api_not_found(request, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
@@ -21,6 +23,7 @@ urlpatterns = [
     # file server or collectstatic step: the only static files are the admin's,
     # for a handful of staff users.
     re_path(r"^static/(?P<path>.*)$", serve_static, {"insecure": True}),
+    path(f"{api}openapi.json", openapi_json),
     path(f"{api}models", responses.ModelListView.as_view()),
     path(f"{api}models/<path:model_id>", responses.ModelDetailView.as_view()),
     path(f"{api}responses", responses.create_response),

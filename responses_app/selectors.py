@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.contrib.auth.base_user import AbstractBaseUser
 
 from lmsp_core.errors import ProblemError
+from lmsp_core.ids import is_valid_id
 
 from .models import Response
 
@@ -13,10 +14,13 @@ def stored_response(
     owner: AbstractBaseUser, response_id: str, param: str | None = None
 ) -> Response:
     """A response kept with ``store: true`` by this owner, else 404 (never 403)."""
-    response = Response.objects.filter(id=response_id, owner=owner, store=True).first()
+    response = None
+    if is_valid_id(response_id, "resp"):  # anything else, NUL included, is not looked up
+        response = Response.objects.filter(id=response_id, owner=owner, store=True).first()
     if response is None:
+        shown = response_id if len(response_id) <= 64 else response_id[:64] + "..."
         raise ProblemError(
-            "response_not_found", f"No stored response with id {response_id!r}.", param=param
+            "response_not_found", f"No stored response with id {shown!r}.", param=param
         )
     return response
 

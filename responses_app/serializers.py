@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import re
 
+from django.conf import settings
 from rest_framework import serializers
 
+from generation.schema_bounds import schema_bounds_problem
 from lmsp_core.ids import is_valid_id
 from lmsp_core.validation import (
     JSONObjectField,
@@ -26,7 +28,7 @@ from lmsp_core.validation import (
 )
 
 RESERVED_PART_TYPES = ("input_image", "input_audio", "input_file")
-TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 # --- input items ----------------------------------------------------------------
@@ -64,12 +66,17 @@ class TypedObjectField(serializers.Field):
                 f"Expected {self.what} object, got {json_type(data)}."
             )
         kind = data.get("type")
+        if not isinstance(kind, str):
+            raise serializers.ValidationError(
+                {"type": [f"Expected a string naming {self.what} type, got {json_type(kind)}."]}
+            )
         if kind in self.reserved:
             reserved = f"Content type {kind!r} is reserved in LMSP 1.0; only text is supported."
             error = serializers.ErrorDetail(reserved, code="unsupported_content_type")
             raise serializers.ValidationError({"type": [error]})
         if kind not in self.by_type:
-            raise serializers.ValidationError({"type": [f"Unknown {self.what} type {kind!r}."]})
+            shown = kind if len(kind) <= 64 else kind[:64] + "..."
+            raise serializers.ValidationError({"type": [f"Unknown {self.what} type {shown!r}."]})
         return run_nested(self.by_type[kind], data)
 
 
@@ -82,7 +89,8 @@ class MessageItemSerializer(StrictSerializer):
     status = StrictCharField(required=False)
     role = serializers.ChoiceField(choices=["system", "user", "assistant"])
     content = StrictListField(
-        child=TypedObjectField("a content part", PART_SERIALIZERS, RESERVED_PART_TYPES)
+        child=TypedObjectField("a content part", PART_SERIALIZERS, RESERVED_PART_TYPES),
+        limit="LMSP_MAX_CONTENT_PARTS",
     )
 
     def validate(self, attrs: dict) -> dict:
@@ -129,7 +137,7 @@ class ReasoningItemSerializer(StrictSerializer):
     type = StrictCharField()
     id = StrictCharField(required=False)
     status = StrictCharField(required=False)
-    summary = StrictListField(child=SummaryPartSerializer())
+    summary = StrictListField(child=SummaryPartSerializer(), limit="LMSP_MAX_CONTENT_PARTS")
 
 
 ITEM_SERIALIZERS = {
@@ -143,15 +151,35 @@ ITEM_SERIALIZERS = {
 # --- tools and formats -----------------------------------------------------------
 
 
+class SchemaField(JSONObjectField):
+    """A JSON Schema object within the bounds that keep compiling it cheap
+    (``generation.schema_bounds``, limits from the settings)."""
+
+    def to_internal_value(self, data: object) -> dict:
+        schema = super().to_internal_value(data)
+        problem = schema_bounds_problem(
+            schema,
+            "",
+            max_bytes=settings.LMSP_MAX_SCHEMA_BYTES,
+            max_depth=settings.LMSP_MAX_SCHEMA_DEPTH,
+            max_repeat=settings.LMSP_MAX_PATTERN_REPEAT,
+        )
+        if problem is not None:
+            where, reason = problem
+            inside = f" (at {where.lstrip('.')})" if where else ""
+            raise serializers.ValidationError(f"{reason}{inside}")
+        return schema
+
+
 class FunctionToolSerializer(StrictSerializer):
     type = serializers.ChoiceField(choices=["function"])
     name = StrictCharField()
     description = StrictCharField(required=False, allow_blank=True)
-    parameters = JSONObjectField(required=False)
+    parameters = SchemaField(required=False)
     strict = StrictBooleanField(required=False)
 
     def validate_name(self, value: str) -> str:
-        if not TOOL_NAME.match(value):
+        if not TOOL_NAME.fullmatch(value):
             raise serializers.ValidationError("Tool names are 1 to 64 letters, digits, '_' or '-'.")
         return value
 
@@ -175,7 +203,7 @@ class NamedToolChoiceSerializer(StrictSerializer):
 
 class JsonSchemaFormatSerializer(StrictSerializer):
     name = StrictCharField()
-    schema = JSONObjectField()
+    schema = SchemaField()
     description = StrictCharField(required=False, allow_blank=True)
     strict = StrictBooleanField(required=False)
 
@@ -200,13 +228,15 @@ class ResponseFormatSerializer(StrictSerializer):
 class ResponseRequestSerializer(StrictSerializer):
     model = StrictCharField()
     input = StrictListField(
-        child=TypedObjectField("an input item", ITEM_SERIALIZERS), allow_empty=False
+        child=TypedObjectField("an input item", ITEM_SERIALIZERS),
+        allow_empty=False,
+        limit="LMSP_MAX_INPUT_ITEMS",
     )
     stream = StrictBooleanField(required=False, default=False)
     max_output_tokens = StrictIntegerField(required=False, min_value=1)
     temperature = StrictFloatField(required=False, min_value=0.0, max_value=2.0, default=1.0)
     response_format = ResponseFormatSerializer(required=False)
-    tools = StrictListField(child=FunctionToolSerializer(), required=False)
+    tools = StrictListField(child=FunctionToolSerializer(), required=False, limit="LMSP_MAX_TOOLS")
     tool_choice = ToolChoiceField(required=False)
     store = StrictBooleanField(required=False, default=False)
     previous_response_id = StrictCharField(required=False)

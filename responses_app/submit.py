@@ -71,9 +71,6 @@ def prepare_generation(
         previous = stored_response(
             owner, request["previous_response_id"], at("previous_response_id")
         )
-    unusable = schema_problem(params)
-    if unusable is not None:
-        raise ProblemError("invalid_request", unusable[1], param=at(unusable[0]))
     context = (conversation_items(previous) if previous else []) + request["input"]
     tokenizer = prompt_tokenizer(spec)
     prompt = render_prompt(spec, tokenizer, context, params)
@@ -86,6 +83,10 @@ def prepare_generation(
             f"{spec.context_window}, with room needed for the answer.",
             param=at("input"),
         )
+    # Compiling the grammar is the costly check: only for a request that fits.
+    unusable = schema_problem(params)
+    if unusable is not None:
+        raise ProblemError("invalid_request", unusable[1], param=at(unusable[0]))
     wanted = request.get("max_output_tokens", spec.max_output_tokens)
     return PreparedGeneration(
         spec=spec,

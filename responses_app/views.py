@@ -14,7 +14,7 @@ from accounts_app.authentication import authenticate
 from generation.registry import available_models, get_model
 from lmsp_core import protocol
 from lmsp_core.errors import ProblemError
-from lmsp_core.http import check_method, csrf_free, db_call, json_body
+from lmsp_core.http import check_method, cpu_call, csrf_free, db_call, json_body
 from tasks_app import idempotency
 from tasks_app import services as task_services
 from tasks_app.models import Task, TaskKind
@@ -69,7 +69,7 @@ async def create_response(request: HttpRequest) -> HttpResponse:
     check_method(request, ("POST",))
     token = await authenticate(request, "responses:write")
     key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
-    body = validate_response_request(json_body(request))
+    body = await cpu_call(_validated_body, request)
     task = await _accepted(
         db_call(submit, token.owner, body, kind=TaskKind.DIRECT, idempotency_key=key)
     )
@@ -84,6 +84,12 @@ async def create_response(request: HttpRequest) -> HttpResponse:
         await asyncio.shield(db_call(task_services.cancel_abandoned, task.id))
         raise
     return await db_call(_final_answer, task.id)
+
+
+def _validated_body(request: HttpRequest) -> dict:
+    """Parse and validate the body: CPU work for up to a megabyte, so it runs
+    on a worker thread, never on the event loop."""
+    return validate_response_request(json_body(request))
 
 
 async def _accepted(start: Awaitable[Task]) -> Task:

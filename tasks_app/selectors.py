@@ -6,20 +6,25 @@ from django.contrib.auth.base_user import AbstractBaseUser
 from django.db.models import QuerySet
 
 from lmsp_core.errors import ProblemError
+from lmsp_core.ids import is_valid_id
 from lmsp_core.status import Status
 
 from .models import Task, TaskKind
 
 
 def owned_task(owner: AbstractBaseUser, task_id: str) -> Task:
-    """One of the owner's tasks; any other id is 404, existing or not."""
-    task = (
-        Task.objects.select_related("response")
-        .filter(id=task_id, owner=owner, kind=TaskKind.TASK)
-        .first()
-    )
+    """One of the owner's tasks; any other id is 404, existing or not (an id
+    that cannot be one, NUL included, never reaches the database)."""
+    task = None
+    if is_valid_id(task_id, "task"):
+        task = (
+            Task.objects.select_related("response")
+            .filter(id=task_id, owner=owner, kind=TaskKind.TASK)
+            .first()
+        )
     if task is None:
-        raise ProblemError("task_not_found", f"No task with id {task_id!r}.", param="task_id")
+        shown = task_id if len(task_id) <= 64 else task_id[:64] + "..."
+        raise ProblemError("task_not_found", f"No task with id {shown!r}.", param="task_id")
     return task
 
 

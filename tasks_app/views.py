@@ -11,20 +11,12 @@ from accounts_app.authentication import authenticate
 from lmsp_core import protocol
 from lmsp_core.errors import ProblemError
 from lmsp_core.http import check_method, csrf_free, db_call
-from lmsp_core.validation import validation_problem
+from lmsp_core.ids import is_valid_id
+from lmsp_core.validation import integer_param, validation_problem
 
 from . import idempotency, selectors, services, task_types
 from .serializers import TaskRequestSerializer
 from .streams import SSE_HEADERS, follow
-
-
-def _int_param(raw: str, name: str, low: int, high: int | None = None) -> int:
-    if not raw.isdigit() or (high is not None and not low <= int(raw) <= high) or int(raw) < low:
-        bounds = f"from {low} to {high}" if high is not None else f"at least {low}"
-        raise ProblemError(
-            "invalid_request", f"{name} must be an integer {bounds}, not {raw!r}.", param=name
-        )
-    return int(raw)
 
 
 class TaskCollectionView(APIView):
@@ -49,7 +41,7 @@ class TaskCollectionView(APIView):
         if unknown:
             name = sorted(unknown)[0]
             raise ProblemError("invalid_request", f"Unknown query parameter {name!r}.", param=name)
-        limit = _int_param(query.get("limit", "20"), "limit", 1, 100)
+        limit = integer_param(query.get("limit", "20"), "limit", 1, 100)
         status = query.get("status")
         if status is not None and status not in selectors.STATUSES:
             raise ProblemError(
@@ -57,9 +49,12 @@ class TaskCollectionView(APIView):
                 f"status must be one of {', '.join(selectors.STATUSES)}.",
                 param="status",
             )
-        tasks, has_more = selectors.task_page(
-            request.user, limit=limit, after=query.get("after"), status=status
-        )
+        after = query.get("after")
+        if after is not None and not is_valid_id(after, "task"):
+            raise ProblemError(
+                "invalid_request", "after must be a task id (task_ and a ULID).", param="after"
+            )
+        tasks, has_more = selectors.task_page(request.user, limit=limit, after=after, status=status)
         next_cursor = tasks[-1].id if has_more else None
         data = [protocol.task_object(task) for task in tasks]
         return DRFResponse(protocol.list_object(data, has_more=has_more, next_cursor=next_cursor))
@@ -83,10 +78,10 @@ class TaskCancelView(APIView):
 def resume_point(request: HttpRequest) -> int:
     """``after`` wins over ``Last-Event-ID``; neither means from the start."""
     if "after" in request.GET:
-        return _int_param(request.GET["after"], "after", 0)
+        return integer_param(request.GET["after"], "after", 0)
     header = request.headers.get("Last-Event-ID")
     if header is not None:
-        return _int_param(header.strip(), "Last-Event-ID", 0)
+        return integer_param(header.strip(), "Last-Event-ID", 0)
     return 0
 
 

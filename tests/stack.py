@@ -27,6 +27,8 @@ STACK_SETTINGS = {
     "LMSP_STREAM_POLL_SECONDS": "1",
     "LMSP_FLUSH_INTERVAL_SECONDS": "0.05",
     "LMSP_KEEPALIVE_SECONDS": "1",
+    # A stalled upload is answered within seconds (tests/test_hostile_input_e2e.py).
+    "LMSP_BODY_TIMEOUT_SECONDS": "4",
 }
 
 
