@@ -11,7 +11,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # The kernel, the torch-free generation side, the apps and the worker runtime.
-PACKAGES = ("lmsp_core", "generation", "accounts_app", "tasks_app", "responses_app", "workers")
+PACKAGES = (
+    "lmsp_core",
+    "generation",
+    "accounts_app",
+    "tasks_app",
+    "responses_app",
+    "workers",
+    "openai_app",
+)
 # The composition root wires everything together and may import anything.
 COMPOSITION_ROOT = {"lmsp_project/urls.py", "lmsp_project/asgi.py", "lmsp_project/celery.py"}
 
@@ -52,6 +60,11 @@ def test_the_kernel_imports_no_app():
 
 def test_the_generation_side_imports_only_the_kernel():
     assert package_imports()["generation"] <= {"lmsp_core"}
+
+
+def test_nothing_imports_the_openai_adapter():
+    """The OpenAI-compatible API sits on top: only the composition root mounts it."""
+    assert [name for name, imports in package_imports().items() if "openai_app" in imports] == []
 
 
 def test_the_checker_sees_imports_inside_functions(tmp_path):
