@@ -115,6 +115,13 @@ def test_errors_have_openai_shape_and_status(stack, client, token):
         answer = raw.post("/v1/chat/completions", content=b"{not json")
         assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_request"
         assert raw.get("/v1/chat/completions").headers["Allow"] == "POST"
+        # answered below the views: a Host Django refuses, a body over the limit
+        answer = raw.get("/v1/models", headers={"Host": "evil.example"})
+        assert answer.status_code == 400
+        assert answer.json()["error"]["type"] == "invalid_request_error"
+        answer = raw.post("/v1/chat/completions", content=b" " * 1_000_001)
+        assert answer.status_code == 413
+        assert answer.json()["error"]["code"] == "payload_too_large"
 
 
 # --- chat completions ----------------------------------------------------------------
