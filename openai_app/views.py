@@ -243,9 +243,18 @@ async def response_detail(request: HttpRequest, response_id: str) -> HttpRespons
     """``GET /v1/responses/{id}``; with ``stream=true`` the events of a
     background response from the start or after ``starting_after``."""
     token = await _token(request)
+    for name in request.GET:
+        if name not in ("stream", "starting_after"):
+            raise ProblemError(
+                "invalid_request", f"The query parameter {name!r} is not supported.", param=name
+            )
     stream = request.GET.get("stream", "false")
     if stream not in ("true", "false"):
         raise ProblemError("invalid_request", "stream must be true or false.", param="stream")
+    if stream == "false" and "starting_after" in request.GET:
+        raise ProblemError(
+            "invalid_request", "starting_after needs stream=true.", param="starting_after"
+        )
     response, task = await db_call(_readable, token, response_id, "tasks:read", "responses:read")
     if stream == "false":
         if task is not None:

@@ -320,6 +320,36 @@ def test_responses_json_schema_and_conversation(client):
     assert second.previous_response_id == first.id and second.output_text.strip()
 
 
+def test_responses_tool_call_output_items_go_back_as_input(client):
+    """The agent loop: the output items, as the SDK parsed them, sent back
+    with the tool's result."""
+    tool = {"type": "function", **WEATHER["function"]}
+    question = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    first = client.responses.create(
+        model=MODEL,
+        input=question,
+        tools=[tool],
+        tool_choice="required",
+        temperature=0,
+        max_output_tokens=SCHEMA_BUDGET,
+        store=False,
+    )
+    [call] = first.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER_PARAMETERS)
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "17 C"}
+    second = client.responses.create(
+        model=MODEL,
+        input=[*question, *first.output, result],
+        tools=[tool],
+        tool_choice="none",
+        temperature=0,
+        max_output_tokens=30,
+        store=False,
+    )
+    assert second.output[0].type == "message" and second.output_text.strip()
+
+
 def test_background_stream_resumes_after_a_drop_exactly_once(client, stack):
     stream = client.responses.create(
         model=MODEL,
