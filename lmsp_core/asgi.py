@@ -11,7 +11,8 @@ authentication: it reads the body itself and answers
 - ``408 request_timeout`` when the whole body has not arrived
   ``LMSP_BODY_TIMEOUT_SECONDS`` after the request began;
 
-both as problem documents, with ``Connection: close`` (the unread rest of
+both as problem documents (or, under a path prefix given a shape of its
+own, such as OpenAI's error object under ``/v1/``), with ``Connection: close`` (the unread rest of
 the body cannot be skipped). A body that keeps to both is handed to Django
 as one message; later ``receive`` calls (a client's disconnect during a
 stream) pass through.
@@ -38,21 +39,29 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 _DIGITS = re.compile(rb"[0-9]{1,30}")
 
 
-async def _answer(send: Send, code: str, detail: str) -> None:
-    body = json.dumps(problem(code, detail)).encode()
+# How errors are shaped under a path prefix: the problem object in, the body out.
+ProblemShape = Callable[[dict], dict]
+
+
+async def _answer(send: Send, code: str, detail: str, shape: ProblemShape | None) -> None:
+    body = problem(code, detail)
+    content_type = b"application/problem+json"
+    if shape is not None:
+        body, content_type = shape(body), b"application/json"
+    encoded = json.dumps(body).encode()
     await send(
         {
             "type": "http.response.start",
             "status": STATUS_BY_CODE[code],
             "headers": [
-                (b"content-type", b"application/problem+json"),
-                (b"content-length", str(len(body)).encode()),
+                (b"content-type", content_type),
+                (b"content-length", str(len(encoded)).encode()),
                 (b"lmsp-version", b"1.0"),
                 (b"connection", b"close"),
             ],
         }
     )
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": "http.response.body", "body": encoded})
 
 
 def _too_large_detail(limit: int) -> str:
@@ -63,18 +72,21 @@ class BoundedBody:
     """ASGI middleware: the request body within ``LMSP_MAX_BODY_BYTES`` and
     ``LMSP_BODY_TIMEOUT_SECONDS``, or a problem document before the rest."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, shapes: dict[str, ProblemShape] | None = None) -> None:
         self.app = app
+        self.shapes = shapes or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        path = scope.get("path", "")
+        shape = next((s for prefix, s in self.shapes.items() if path.startswith(prefix)), None)
         limit = settings.LMSP_MAX_BODY_BYTES
         timeout = settings.LMSP_BODY_TIMEOUT_SECONDS
         for name, value in scope.get("headers", []):
             if name == b"content-length" and _DIGITS.fullmatch(value) and int(value) > limit:
-                await _answer(send, "payload_too_large", _too_large_detail(limit))
+                await _answer(send, "payload_too_large", _too_large_detail(limit), shape)
                 return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -88,6 +100,7 @@ class BoundedBody:
                     send,
                     "request_timeout",
                     f"The request body did not arrive within {timeout:g} seconds.",
+                    shape,
                 )
                 return
             if message["type"] == "http.disconnect":
@@ -95,7 +108,7 @@ class BoundedBody:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                await _answer(send, "payload_too_large", _too_large_detail(limit))
+                await _answer(send, "payload_too_large", _too_large_detail(limit), shape)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

@@ -24,10 +24,12 @@ INSTALLED_APPS = [
     "responses_app",
     "tasks_app",
     "workers",
+    "openai_app",
 ]
 
 MIDDLEWARE = [
     "lmsp_core.middleware.ProtocolMiddleware",
+    "openai_app.middleware.OpenAIErrorMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",

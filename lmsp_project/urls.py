@@ -33,4 +33,6 @@ urlpatterns = [
     path(f"{api}tasks/<str:task_id>/cancel", tasks.TaskCancelView.as_view()),
     path(f"{api}tasks/<str:task_id>/events", tasks.task_events),
     re_path(r"^lmsp/", api_not_found),
+    # OpenAI-compatible API (openai_app): the same service in OpenAI's shapes
+    path("v1/", include("openai_app.urls")),
 ]

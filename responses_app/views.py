@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable
+from contextlib import aclosing
 
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from rest_framework.request import Request
@@ -16,11 +15,10 @@ from lmsp_core import protocol
 from lmsp_core.errors import ProblemError
 from lmsp_core.http import check_method, cpu_call, csrf_free, db_call, json_body
 from tasks_app import idempotency
-from tasks_app import services as task_services
-from tasks_app.models import Task, TaskKind
-from tasks_app.streams import SSE_HEADERS, follow
+from tasks_app.models import TaskKind
+from tasks_app.streams import SSE_HEADERS, lmsp_frame
 
-from . import records
+from . import direct
 from .selectors import stored_response
 from .serializers import validate_response_request
 from .submit import submit
@@ -49,13 +47,9 @@ class ResponseDetailView(APIView):
         return DRFResponse(protocol.response_object(response))
 
 
-def _final_answer(task_id: str) -> HttpResponse:
-    task = Task.objects.select_related("response").get(id=task_id)
-    body = protocol.response_object(task.response)
-    records.discard_unneeded(delivered_task_id=task_id)
-    if task.response.status == "failed":
-        error = task.response.error
-        raise ProblemError(error["code"], error["detail"])
+def _final_answer(body: dict) -> HttpResponse:
+    if body["status"] == "failed":
+        raise ProblemError(body["error"]["code"], body["error"]["detail"])
     return JsonResponse(body)
 
 
@@ -70,20 +64,14 @@ async def create_response(request: HttpRequest) -> HttpResponse:
     token = await authenticate(request, "responses:write")
     key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
     body = await cpu_call(_validated_body, request)
-    task = await _accepted(
+    task = await direct.accepted(
         db_call(submit, token.owner, body, kind=TaskKind.DIRECT, idempotency_key=key)
     )
     if body["stream"]:
         return StreamingHttpResponse(
             _direct_stream(task.id), content_type="text/event-stream", headers=SSE_HEADERS
         )
-    try:
-        async for _ in follow(task.id, 0):
-            pass
-    except asyncio.CancelledError:
-        await asyncio.shield(db_call(task_services.cancel_abandoned, task.id))
-        raise
-    return await db_call(_final_answer, task.id)
+    return _final_answer(await direct.final_result(task.id))
 
 
 def _validated_body(request: HttpRequest) -> dict:
@@ -92,32 +80,7 @@ def _validated_body(request: HttpRequest) -> dict:
     return validate_response_request(json_body(request))
 
 
-async def _accepted(start: Awaitable[Task]) -> Task:
-    """Start a generation even if the client leaves meanwhile, and then stop it:
-    the database work cannot be interrupted halfway, and nobody would read
-    what it generates."""
-    started = asyncio.ensure_future(start)
-    try:
-        return await asyncio.shield(started)
-    except asyncio.CancelledError:
-        started.add_done_callback(_cancel_orphan)
-        raise
-
-
-def _cancel_orphan(started: asyncio.Future) -> None:
-    if started.cancelled() or started.exception() is not None:
-        return
-    asyncio.ensure_future(db_call(task_services.cancel_abandoned, started.result().id))
-
-
 async def _direct_stream(task_id: str):  # noqa: ANN202
-    delivered = False
-    try:
-        async for frame in follow(task_id, 0):
-            yield frame
-        delivered = True
-    finally:
-        if delivered:
-            await db_call(records.discard_unneeded, delivered_task_id=task_id)
-        else:  # the client went away mid-stream
-            await asyncio.shield(db_call(task_services.cancel_abandoned, task_id))
+    async with aclosing(direct.delivered_events(task_id)) as events:
+        async for event in events:
+            yield lmsp_frame(event)

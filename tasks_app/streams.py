@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from django.conf import settings
 
 from lmsp_core.protocol import FINAL_EVENTS, KEEPALIVE_FRAME, sse_frame
 
 from . import event_reader
+from .event_log import StoredEvent
 from .models import FINAL_STATUSES
 from .notify import hub
 
@@ -37,6 +39,20 @@ SSE_HEADERS = {
 async def follow(task_id: str, after: int) -> AsyncIterator[bytes]:
     """Frames of every event after ``after``, live ones included, until the
     final event; ``: keep-alive`` comments while nothing else is sent."""
+    async with aclosing(follow_events(task_id, after)) as events:
+        async for event in events:
+            yield lmsp_frame(event)
+
+
+def lmsp_frame(event: StoredEvent | None) -> bytes:
+    """The LMSP frame of a followed event; ``None`` is a keep-alive comment."""
+    return KEEPALIVE_FRAME if event is None else sse_frame(event.id, event.event, event.data)
+
+
+async def follow_events(task_id: str, after: int) -> AsyncIterator[StoredEvent | None]:
+    """Every event after ``after``, live ones included, until the final event;
+    ``None`` whenever nothing was sent for ``LMSP_KEEPALIVE_SECONDS`` (time for
+    a keep-alive). For readers that speak another stream format than LMSP's."""
     queue = hub.subscribe(task_id)
     last = after
     last_sent = time.monotonic()
@@ -47,7 +63,7 @@ async def follow(task_id: str, after: int) -> AsyncIterator[bytes]:
                 need_read = False
                 events = await event_reader.read_after(task_id, last)
                 for event in events:
-                    yield sse_frame(event.id, event.event, event.data)
+                    yield event
                     last, last_sent = event.id, time.monotonic()
                     if event.event in FINAL_EVENTS:
                         return
@@ -62,7 +78,7 @@ async def follow(task_id: str, after: int) -> AsyncIterator[bytes]:
                 batch = await asyncio.wait_for(queue.get(), timeout)
             except TimeoutError:
                 if time.monotonic() - last_sent >= settings.LMSP_KEEPALIVE_SECONDS:
-                    yield KEEPALIVE_FRAME
+                    yield None
                     last_sent = time.monotonic()
                 need_read = True
                 continue
@@ -73,7 +89,7 @@ async def follow(task_id: str, after: int) -> AsyncIterator[bytes]:
                     if event_id != last + 1:
                         need_read = True  # a gap: the database has what we missed
                         break
-                    yield sse_frame(event_id, name, data)
+                    yield StoredEvent(event_id, name, data)
                     last, last_sent = event_id, time.monotonic()
                     if name in FINAL_EVENTS:
                         return

@@ -19,6 +19,7 @@ PACKAGES = (
     "tasks_app",
     "responses_app",
     "workers",
+    "openai_app",
     "lmsp_client",
 )
 # The composition root wires everything together and may import anything.
@@ -65,6 +66,11 @@ def test_the_client_imports_nothing_of_the_service():
 
 def test_the_generation_side_imports_only_the_kernel():
     assert package_imports()["generation"] <= {"lmsp_core"}
+
+
+def test_nothing_imports_the_openai_adapter():
+    """The OpenAI-compatible API sits on top: only the composition root mounts it."""
+    assert [name for name, imports in package_imports().items() if "openai_app" in imports] == []
 
 
 def test_the_checker_sees_imports_inside_functions(tmp_path):

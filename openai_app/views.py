@@ -1,0 +1,297 @@
+"""The OpenAI-compatible endpoints: each translates the request, then takes
+the same path as LMSP's own (``validate_response_request``, ``submit``, the
+event log) and translates what comes back.
+
+Scopes are LMSP's: ``models:read`` for models, ``responses:write`` to create
+a response, ``responses:read`` to fetch a stored one. A background response
+is an LMSP task, so creating one needs ``tasks:write`` too, and reading,
+resuming or cancelling it needs ``tasks:read`` / ``tasks:write``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from django.contrib.auth.base_user import AbstractBaseUser
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+
+from accounts_app.authentication import authenticate
+from accounts_app.models import ApiToken
+from accounts_app.services import authenticate_bearer, require_scope
+from generation.registry import available_models, get_model
+from lmsp_core import protocol
+from lmsp_core.errors import ProblemError
+from lmsp_core.http import db_call, json_body
+from lmsp_core.protocol import KEEPALIVE_FRAME
+from responses_app import direct
+from responses_app.models import Response
+from responses_app.serializers import validate_response_request
+from responses_app.submit import submit
+from tasks_app import idempotency
+from tasks_app import services as task_services
+from tasks_app.event_log import StoredEvent
+from tasks_app.models import Task, TaskKind
+from tasks_app.streams import SSE_HEADERS, follow_events
+
+from . import chat, responses
+from .errors import ParamMap, named_as_sent, openai_view
+
+# --- models -----------------------------------------------------------------------
+
+
+def model_object(spec: object) -> dict:
+    return {"id": spec.id, "object": "model", "created": 0, "owned_by": "lmsp"}
+
+
+@openai_view("GET")
+async def model_list(request: HttpRequest) -> HttpResponse:
+    await authenticate(request, "models:read")
+    data = [model_object(spec) for spec in available_models().values()]
+    return JsonResponse({"object": "list", "data": data})
+
+
+@openai_view("GET")
+async def model_detail(request: HttpRequest, model_id: str) -> HttpResponse:
+    await authenticate(request, "models:read")
+    return JsonResponse(model_object(get_model(model_id, param="model")))
+
+
+# --- shared -----------------------------------------------------------------------
+
+
+def _failed(result: dict) -> ProblemError:
+    error = result["error"]
+    return ProblemError(error["code"], error["detail"])
+
+
+def _event_stream(frames: AsyncIterator[bytes]) -> StreamingHttpResponse:
+    return StreamingHttpResponse(frames, content_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _data_frame(data: dict | str) -> bytes:
+    body = data if isinstance(data, str) else protocol.dumps(data)
+    return f"data: {body}\n\n".encode()
+
+
+async def _submitted(
+    owner: AbstractBaseUser, validated: dict, kind: str, key: str | None, param_of: ParamMap
+) -> Task:
+    with named_as_sent(param_of):
+        start = db_call(submit, owner, validated, kind=kind, idempotency_key=key)
+        if kind == TaskKind.DIRECT:
+            return await direct.accepted(start)  # cancelled if the client leaves
+        return await start
+
+
+# --- chat completions ---------------------------------------------------------------
+
+
+@openai_view("POST")
+async def chat_completions(request: HttpRequest) -> HttpResponse:
+    token = await authenticate(request, "responses:write")
+    key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
+    translated = chat.lmsp_request(json_body(request))
+    with named_as_sent(translated.param_of):
+        validated = validate_response_request(translated.request)
+    task = await _submitted(token.owner, validated, TaskKind.DIRECT, key, translated.param_of)
+    if translated.stream:
+        chunks = chat.ChunkTranslator(
+            task.response_id,
+            protocol.timestamp(task.created_at),
+            validated["model"],
+            translated.include_usage,
+        )
+        return _event_stream(_chat_frames(task.id, chunks))
+    result = await direct.final_result(task.id)
+    if result["status"] == "failed":
+        raise _failed(result)
+    return JsonResponse(chat.completion(result))
+
+
+async def _chat_frames(task_id: str, chunks: chat.ChunkTranslator) -> AsyncIterator[bytes]:
+    failed = False
+    async with aclosing(direct.delivered_events(task_id)) as events:
+        async for event in events:
+            if event is None:
+                yield KEEPALIVE_FRAME
+                continue
+            for chunk in chunks.translate(event.event, json.loads(event.data)):
+                failed = failed or "error" in chunk
+                yield _data_frame(chunk)
+    if not failed:  # OpenAI ends a stream that failed with the error alone
+        yield _data_frame("[DONE]")
+
+
+# --- responses --------------------------------------------------------------------
+
+
+def _snapshot(task_id: str) -> tuple[dict, dict, str, bool]:
+    """The response of a task as LMSP shows it, its generation parameters, the
+    task's status and whether it is a background response."""
+    task = Task.objects.select_related("response").get(id=task_id)
+    return (
+        protocol.response_object(task.response),
+        task.response.params,
+        task.status,
+        task.kind == TaskKind.TASK,
+    )
+
+
+def _openai_response(task_id: str) -> dict:
+    result, params, status, background = _snapshot(task_id)
+    return responses.response_object(result, params, background=background, status=status)
+
+
+def _translator(task_id: str) -> responses.EventTranslator:
+    result, params, _, background = _snapshot(task_id)
+    started = {**result, "status": "in_progress", "output": [], "usage": None, "error": None}
+    base = responses.response_object(started, params, background=background)
+    return responses.EventTranslator(base=base)
+
+
+def _sse(kind: str, data: dict) -> bytes:
+    return f"event: {kind}\ndata: {protocol.dumps(data)}\n\n".encode()
+
+
+async def _response_frames(
+    events: AsyncIterator[StoredEvent | None],
+    translator: responses.EventTranslator,
+    starting_after: int = -1,
+) -> AsyncIterator[bytes]:
+    async with aclosing(events) as followed:
+        async for event in followed:
+            if event is None:
+                yield KEEPALIVE_FRAME
+                continue
+            for kind, data in translator.translate(event.event, json.loads(event.data)):
+                if data["sequence_number"] > starting_after:
+                    yield _sse(kind, data)
+
+
+@openai_view("POST")
+async def create_response(request: HttpRequest) -> HttpResponse:
+    token = await authenticate(request, "responses:write")
+    key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
+    translated = responses.lmsp_request(json_body(request))
+    if translated.background:
+        require_scope(token, "tasks:write")
+    with named_as_sent(translated.param_of):
+        validated = validate_response_request(translated.request)
+    kind = TaskKind.TASK if translated.background else TaskKind.DIRECT
+    task = await _submitted(token.owner, validated, kind, key, translated.param_of)
+    if translated.stream:
+        translator = await db_call(_translator, task.id)
+        events = (
+            follow_events(task.id, 0) if translated.background else direct.delivered_events(task.id)
+        )
+        return _event_stream(_response_frames(events, translator))
+    if translated.background:
+        return JsonResponse(await db_call(_openai_response, task.id))
+    # read before the answer is delivered: a store: false response is then gone
+    _, params, _, _ = await db_call(_snapshot, task.id)
+    result = await direct.final_result(task.id)
+    if result["status"] == "failed":
+        raise _failed(result)
+    return JsonResponse(responses.response_object(result, params, background=False))
+
+
+def _owned_response(owner: AbstractBaseUser, response_id: str) -> tuple[Response, Task | None]:
+    """A response the owner can read back: a stored one or a background one
+    (whose task is kept until task retention). Anything else is 404."""
+    task = (
+        Task.objects.select_related("response")
+        .filter(response_id=response_id, owner=owner, kind=TaskKind.TASK)
+        .first()
+    )
+    if task is not None:
+        return task.response, task
+    response = Response.objects.filter(id=response_id, owner=owner, store=True).first()
+    if response is None:
+        raise ProblemError(
+            "response_not_found", f"No response with id {response_id!r}.", param="response_id"
+        )
+    return response, None
+
+
+def _readable(
+    token: ApiToken, response_id: str, background_scope: str, scope: str
+) -> tuple[Response, Task | None]:
+    response, task = _owned_response(token.owner, response_id)
+    require_scope(token, background_scope if task is not None else scope)
+    return response, task
+
+
+async def _token(request: HttpRequest) -> ApiToken:
+    return await db_call(authenticate_bearer, request.headers.get("Authorization"))
+
+
+def _starting_after(request: HttpRequest) -> int:
+    raw = request.GET.get("starting_after", "-1")
+    if not (raw.isdigit() or raw == "-1"):
+        raise ProblemError(
+            "invalid_request",
+            f"starting_after must be a non-negative integer, not {raw!r}.",
+            param="starting_after",
+        )
+    return int(raw)
+
+
+@openai_view("GET")
+async def response_detail(request: HttpRequest, response_id: str) -> HttpResponse:
+    """``GET /v1/responses/{id}``; with ``stream=true`` the events of a
+    background response from the start or after ``starting_after``."""
+    token = await _token(request)
+    for name in request.GET:
+        if name not in ("stream", "starting_after"):
+            raise ProblemError(
+                "invalid_request", f"The query parameter {name!r} is not supported.", param=name
+            )
+    stream = request.GET.get("stream", "false")
+    if stream not in ("true", "false"):
+        raise ProblemError("invalid_request", "stream must be true or false.", param="stream")
+    if stream == "false" and "starting_after" in request.GET:
+        raise ProblemError(
+            "invalid_request", "starting_after needs stream=true.", param="starting_after"
+        )
+    response, task = await db_call(_readable, token, response_id, "tasks:read", "responses:read")
+    if stream == "false":
+        if task is not None:
+            return JsonResponse(await db_call(_openai_response, task.id))
+        result = protocol.response_object(response)
+        return JsonResponse(responses.response_object(result, response.params, background=False))
+    if task is None:
+        raise ProblemError(
+            "invalid_request",
+            "Only background responses can be streamed again.",
+            param="stream",
+        )
+    after = _starting_after(request)
+    if task.pruned_through > 0:
+        raise ProblemError(
+            "event_history_expired",
+            f"The events of {response_id} were removed by retention; fetch the response "
+            "without stream=true.",
+        )
+    translator = await db_call(_translator, task.id)
+    return _event_stream(_response_frames(follow_events(task.id, 0), translator, after))
+
+
+@openai_view("POST")
+async def cancel_response(request: HttpRequest, response_id: str) -> HttpResponse:
+    token = await _token(request)
+    _, task = await db_call(_readable, token, response_id, "tasks:write", "tasks:write")
+    if task is None:
+        raise ProblemError(
+            "invalid_request",
+            "Only background responses can be cancelled.",
+            param="response_id",
+        )
+    await db_call(task_services.cancel_task, task)
+    return JsonResponse(await db_call(_openai_response, task.id))
+
+
+@openai_view()
+async def not_found(request: HttpRequest, *args: object, **kwargs: object) -> HttpResponse:
+    raise ProblemError("not_found", f"There is nothing at {request.path}.")
