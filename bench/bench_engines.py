@@ -43,10 +43,13 @@ django.setup()
 import torch  # noqa: E402
 from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
 
-from workers import engine, prompts  # noqa: E402
+from generation import prompts  # noqa: E402
+from generation.params import GenerationParams  # noqa: E402
+from generation.registry import get_model  # noqa: E402
+from generation.tokens import prompt_tokenizer  # noqa: E402
+from workers import engine  # noqa: E402
 from workers.batching import BatchingEngine  # noqa: E402
 from workers.loading import LoadedModel, load_model  # noqa: E402
-from workers.registry import get_model  # noqa: E402
 
 QUESTIONS = [
     "Say hello.",
@@ -63,7 +66,8 @@ VARIANTS = ["single", "static8", "engine1", "engine8", "cb8"]
 
 def prompt_ids(lm: LoadedModel, text: str) -> list[int]:
     message = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
-    rendered = prompts.render_prompt(lm.spec, lm.tokenizer, [message], {})
+    tokenizer = prompt_tokenizer(lm.spec)
+    rendered = prompts.render_prompt(lm.spec, tokenizer, [message], GenerationParams())
     return lm.tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
