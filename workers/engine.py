@@ -1,7 +1,11 @@
-"""Token generation with transformers, one token at a time through a hook.
+"""Sampling settings, incremental detokenizing, and one sequence through
+``model.generate``.
 
-``generate`` drives ``model.generate`` and calls ``on_token`` after every
-decoding step; the hook returns True to stop (cancellation, lost lease).
+The worker generates through the batching engine (``batching``);
+``generate`` is the plain one-sequence path it must agree with, token for
+token: the tests and benchmarks compare the two. It drives
+``model.generate`` and calls ``on_token`` after every decoding step; the
+hook returns True to stop.
 ``IncrementalDetokenizer`` turns token ids into text pieces without
 re-decoding the whole output on each step, holding back an incomplete
 UTF-8 sequence until its last byte arrives.
