@@ -40,6 +40,15 @@ def stack(django_db_setup, django_db_blocker, stack_settings: int) -> Iterator[S
     running.stop()
 
 
+@pytest.fixture
+def restart_after(stack: Stack) -> Iterator[None]:
+    """Whatever a test kills is running again for the next test."""
+    yield
+    for proc in (stack.web, stack.worker, stack.ops):
+        if proc.process is None or proc.process.poll() is not None:
+            proc.start()
+
+
 def make_token(username: str = "alice", scopes: list[str] | None = None) -> str:
     return create_token(username=username, scopes=scopes or ALL_SCOPES).secret
 

@@ -46,15 +46,6 @@ def client(stack, token):
         yield lmsp
 
 
-@pytest.fixture
-def restart_after(stack):
-    """Whatever a test kills is running again for the next test."""
-    yield
-    for proc in (stack.web, stack.worker, stack.ops):
-        if proc.process is None or proc.process.poll() is not None:
-            proc.start()
-
-
 def wait_final(client: Client, task_id: str, timeout: float = 300) -> dict:
     deadline = time.monotonic() + timeout
     while True:

@@ -23,15 +23,6 @@ pytestmark = pytest.mark.e2e
 LONG = [user_message(LONG_STORY)]
 
 
-@pytest.fixture
-def restart_after(stack):
-    """Whatever a test kills is running again for the next test."""
-    yield
-    for proc in (stack.web, stack.worker, stack.ops):
-        if proc.process is None or proc.process.poll() is not None:
-            proc.start()
-
-
 def test_killed_worker_is_replaced_and_the_stream_stays_contiguous(
     api, stack, token, restart_after
 ):
