@@ -72,6 +72,9 @@ def start_redis(folder: Path, port: int, persist: bool = True) -> subprocess.Pop
 def services() -> Iterator[dict[str, str]]:
     """Environment variables naming a PostgreSQL and a Redis that are up."""
     env: dict[str, str] = {}
+    # pgserver creates its data folder but not the folder above it: on a fresh
+    # clone nothing has made the data folder yet.
+    DATA.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         if not os.environ.get("DATABASE_URL"):
             import pgserver
