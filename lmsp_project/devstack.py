@@ -20,9 +20,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from lmsp_project import localservices
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("LMSP_DATA_DIR", ROOT / ".data"))
-DATABASE_NAME = "lmsp"
 
 
 def free_port() -> int:
@@ -77,13 +78,7 @@ def services() -> Iterator[dict[str, str]]:
     DATA.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         if not os.environ.get("DATABASE_URL"):
-            import pgserver
-
-            server = pgserver.get_server(DATA / "postgres", cleanup_mode="stop")
-            exists = server.psql(f"SELECT 1 FROM pg_database WHERE datname = '{DATABASE_NAME}';")
-            if "(1 row)" not in exists:
-                server.psql(f"CREATE DATABASE {DATABASE_NAME};")
-            env["DATABASE_URL"] = server.get_uri().replace("/postgres?", f"/{DATABASE_NAME}?")
+            env["DATABASE_URL"] = localservices.attach_embedded_postgres(DATA)
             print(f"Embedded PostgreSQL: {env['DATABASE_URL']}", flush=True)
         if not os.environ.get("REDIS_URL"):
             port = free_port()
@@ -99,7 +94,16 @@ def manage(*args: str, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, check=True)
 
 
-def serve(env: dict[str, str]) -> int:
+def serve(env: dict[str, str], started: dict[str, str]) -> int:
+    # manage.py and workers started by hand find the embedded services here.
+    localservices.record(DATA, started)
+    try:
+        return _serve(env)
+    finally:
+        localservices.forget(DATA)
+
+
+def _serve(env: dict[str, str]) -> int:
     manage("migrate", "--no-input", env=env)
     manage("lmsp_prepare_models", env=env)
     manage("lmsp_dev_token", env=env)
@@ -119,7 +123,7 @@ def main(argv: list[str]) -> int:
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         env = {**os.environ, **extra, "PATH": path}
         if argv[0] == "serve":
-            return serve(env)
+            return serve(env, extra)
         return subprocess.run(
             [sys.executable, "-m", "pytest", *argv[1:]], cwd=ROOT, env=env
         ).returncode

@@ -183,6 +183,52 @@ def test_serve_answers_a_generation_with_the_dev_token_it_printed(clone: ServedC
     assert body["output"][0]["content"][0]["text"].strip()
 
 
+def last_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_readme_token_command_works_beside_serve(clone: ServedClone):
+    token = last_line(clone.run(TOKEN_COMMAND))
+    assert token.startswith("lmsp_")
+    assert generate(clone, token)["output"]
+
+
+def admin_login(client: httpx.Client, username: str, password: str) -> httpx.Response:
+    page = client.get("/admin/login/?next=/admin/")
+    assert page.status_code == 200
+    csrf = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text).group(1)
+    return client.post(
+        "/admin/login/?next=/admin/",
+        data={
+            "csrfmiddlewaretoken": csrf,
+            "username": username,
+            "password": password,
+            "next": "/admin/",
+        },
+        headers={"Referer": f"{client.base_url}/admin/login/"},
+    )
+
+
+def test_readme_admin_path(clone: ServedClone):
+    """createsuperuser beside the running service, log in at /admin/, see the responses."""
+    created = clone.run(
+        ".venv/bin/python manage.py createsuperuser --no-input",
+        DJANGO_SUPERUSER_USERNAME="boss",
+        DJANGO_SUPERUSER_EMAIL="boss@example.com",
+        DJANGO_SUPERUSER_PASSWORD="a long admin passphrase",
+    )
+    assert created.returncode == 0, created.stdout + created.stderr
+    stored = generate(clone, clone.dev_token, store=True)
+    with httpx.Client(base_url=clone.base_url, timeout=60) as client:
+        logged_in = admin_login(client, "boss", "a long admin passphrase")
+        assert logged_in.status_code == 302 and logged_in.headers["location"] == "/admin/"
+        listing = client.get("/admin/responses_app/response/")
+        assert listing.status_code == 200
+        assert "/admin/login/" not in str(listing.url)
+        assert stored["id"] in listing.text
+
+
 def test_ctrl_c_stops_every_process_serve_started(clone: ServedClone):
     assert (clone.folder / ".data" / "postgres" / "postmaster.pid").exists()
     assert processes_of(clone.folder), "the embedded services should be running"
@@ -196,3 +242,13 @@ def test_ctrl_c_stops_every_process_serve_started(clone: ServedClone):
 
     wait_for(nothing_left, 30, "every process gone")
     assert not left, left
+
+
+def test_manage_py_works_with_the_service_stopped(clone: ServedClone):
+    """The embedded PostgreSQL is started for the command and stopped after it."""
+    assert clone.process.poll() is not None
+    token = last_line(clone.run(TOKEN_COMMAND))
+    assert token.startswith("lmsp_")
+    listed = clone.run(".venv/bin/python manage.py lmsp_token revoke " + token.split("_")[1])
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    assert processes_of(clone.folder) == []
