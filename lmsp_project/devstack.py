@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -59,6 +60,9 @@ def start_redis(folder: Path, port: int, persist: bool = True) -> subprocess.Pop
             str(folder / "redis.log"),
         ],
         stdout=subprocess.DEVNULL,
+        # Not stopped by the terminal's Ctrl-C: whoever started it stops it,
+        # once the processes that use it are gone.
+        start_new_session=True,
     )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -107,11 +111,30 @@ def _serve(env: dict[str, str]) -> int:
     manage("migrate", "--no-input", env=env)
     manage("lmsp_prepare_models", env=env)
     manage("lmsp_dev_token", env=env)
-    honcho = [sys.executable, "-m", "honcho", "start", "-f", str(ROOT / "Procfile")]
+    return run_honcho(env)
+
+
+def run_honcho(env: dict[str, str]) -> int:
+    """honcho in a session of its own, with Ctrl-C and SIGTERM passed on to it
+    once: it stops its processes (SIGTERM, then SIGKILL after 5 s) and this
+    process then stops Redis and PostgreSQL, after the workers, which still
+    write to them while they stop."""
+    command = [sys.executable, "-m", "honcho", "start", "-f", str(ROOT / "Procfile")]
+    honcho = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
+    stopping = False
+
+    def forward(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        honcho.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return subprocess.run(honcho, cwd=ROOT, env=env).returncode
-    except KeyboardInterrupt:
-        return 0
+        returncode = honcho.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if stopping else returncode
 
 
 def main(argv: list[str]) -> int:

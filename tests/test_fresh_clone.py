@@ -133,6 +133,8 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedClone]:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group, as a terminal gives it
+            # and Ctrl-C acts, as in a terminal, even if this suite runs with it ignored
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     served = ServedClone(folder, process, log, port, env, dev_token="")
     try:
