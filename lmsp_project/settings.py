@@ -32,6 +32,7 @@ INSTALLED_APPS = [
     "responses_app",
     "tasks_app",
     "workers",
+    "ops_app",
 ]
 
 MIDDLEWARE = [

@@ -15,7 +15,7 @@ def api_not_found(request, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, AN
 
 api = "lmsp/v1/"
 urlpatterns = [
-    path("admin/lmsp/", include("workers.admin_views")),
+    path("admin/lmsp/", include("ops_app.admin_views")),
     path("admin/", admin.site.urls),
     # The admin's CSS and scripts, from the installed apps, without a separate
     # file server or collectstatic step: the only static files are the admin's,

@@ -16,9 +16,8 @@ from django.db.models.functions import TruncHour
 from django.utils import timezone
 
 from tasks_app.models import Task, TaskStatus, UsageRecord
-
-from . import heartbeat
-from .registry import ModelSpec, available_models, declared_models
+from workers import heartbeat
+from workers.registry import ModelSpec, available_models, declared_models
 
 WINDOW = timedelta(hours=24)
 
