@@ -36,6 +36,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # Outermost: counts the answer as the client gets it (for /metrics).
+    "ops_app.middleware.request_metrics",
     "responses_app.middleware.ProtocolMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",

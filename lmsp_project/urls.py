@@ -2,6 +2,7 @@ from django.contrib import admin
 from django.contrib.staticfiles.views import serve as serve_static
 from django.urls import include, path, re_path
 
+from ops_app import views as ops
 from responses_app import views as responses
 from responses_app.errors import ProblemError
 from responses_app.http import csrf_free
@@ -15,6 +16,8 @@ def api_not_found(request, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, AN
 
 api = "lmsp/v1/"
 urlpatterns = [
+    path("metrics", ops.metrics),
+    path("healthz", ops.healthz),
     path("admin/lmsp/", include("ops_app.admin_views")),
     path("admin/", admin.site.urls),
     # The admin's CSS and scripts, from the installed apps, without a separate

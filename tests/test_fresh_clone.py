@@ -194,6 +194,11 @@ def test_readme_token_command_works_beside_serve(clone: ServedClone):
     token = last_line(clone.run(TOKEN_COMMAND))
     assert token.startswith("lmsp_")
     assert generate(clone, token)["output"]
+    scraped = httpx.get(
+        f"{clone.base_url}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=60
+    )
+    assert scraped.status_code == 200, scraped.text
+    assert 'lmsp_output_tokens_total{model="smollm2:135m"}' in scraped.text
 
 
 def admin_login(client: httpx.Client, username: str, password: str) -> httpx.Response:

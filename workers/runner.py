@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from django.conf import settings
 from django.db import connection
 
+from ops_app import recorders
 from responses_app import protocol
 from responses_app.errors import problem
 from tasks_app import lifecycle
@@ -97,6 +98,8 @@ class GenerationRun:
         remaining = max_tokens - len(self.token_ids)
         if self.stop is None and remaining > 0:
             prompt_ids = lm.tokenizer(self.response.prompt, add_special_tokens=False)["input_ids"]
+            # Counts and times the tokens for /metrics.
+            on_token = recorders.timed(on_token, self.spec.id, self.response, self.token_ids)
             with self._lease_kept():
                 engine.generate(
                     lm,
