@@ -160,6 +160,8 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": LMSP_PRUNE_INTERVAL_SECONDS,
     },
 }
+# Beat's last run times, in the data folder wherever LMSP_DATA_DIR puts it (the
+# Procfile and compose leave --schedule out so that this applies).
 CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
 
 LOGGING = {
