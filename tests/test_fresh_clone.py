@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -118,8 +120,18 @@ def processes_of(folder: Path, pgid: int | None = None) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def clone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedClone]:
-    folder = tmp_path_factory.mktemp("fresh") / "lmsp"
+def clone() -> Iterator[ServedClone]:
+    # Not under pytest's base folder: as root, the embedded PostgreSQL runs as
+    # its own user, which must traverse the folders above the clone, and pytest
+    # makes /tmp/pytest-of-root private again whenever any session starts.
+    top = Path(tempfile.mkdtemp(prefix="lmsp-fresh-clone-"))
+    try:
+        yield from served_clone(top / "lmsp")
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def served_clone(folder: Path) -> Iterator[ServedClone]:
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(folder)], check=True)
     assert not (folder / ".venv").exists() and not (folder / ".data").exists()
     port = free_port()
@@ -241,14 +253,12 @@ def test_ctrl_c_stops_every_process_serve_started(clone: ServedClone):
     assert processes_of(clone.folder), "the embedded services should be running"
     os.killpg(clone.process.pid, signal.SIGINT)
     assert clone.process.wait(90) == 0, clone.output()[-5000:]
-    left: list[str] = []
-
-    def nothing_left() -> bool:
-        left[:] = processes_of(clone.folder, pgid=clone.process.pid)
-        return not left
-
-    wait_for(nothing_left, 30, "every process gone")
-    assert not left, left
+    deadline = time.monotonic() + 30
+    left = processes_of(clone.folder, pgid=clone.process.pid)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = processes_of(clone.folder, pgid=clone.process.pid)
+    assert not left, "\n".join(left) + "\n" + clone.output()[-3000:]
 
 
 def test_manage_py_works_with_the_service_stopped(clone: ServedClone):
