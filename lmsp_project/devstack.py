@@ -137,10 +137,17 @@ def run_honcho(env: dict[str, str]) -> int:
     return 0 if stopping else returncode
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    sys.exit(128 + signum)
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in {"serve", "test"}:
         print(__doc__)
         return 2
+    # SIGTERM unwinds like Ctrl-C before honcho runs (migrations, model
+    # conversion): the embedded servers are stopped, not left behind.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with services() as extra:
         # Procfile commands run through a shell: find this interpreter's tools first.
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
