@@ -74,7 +74,7 @@ class LmspCollector(Collector):
         yield running
 
     def _redis(self) -> Iterator[Metric]:
-        client = recorders._client()
+        client = recorders.client()
         requests = CounterMetricFamily(
             "lmsp_http_requests",
             "HTTP answers by endpoint (URL pattern), method and status.",

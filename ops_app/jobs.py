@@ -47,7 +47,7 @@ def job_health(now: float | None = None) -> list[JobHealth]:
     """Every periodic job's last success. Raises ``redis.RedisError`` when Redis
     cannot be asked (the caller says "unknown", not "stale")."""
     now = time.time() if now is None else now
-    raw = recorders._client().hgetall(recorders.JOBS_KEY)
+    raw = recorders.client().hgetall(recorders.JOBS_KEY)
     recorded = {key.decode(): float(value) for key, value in raw.items()}
     health = []
     for job, interval in intervals().items():

@@ -45,7 +45,8 @@ PUSH_EVERY_SECONDS = 1.0
 FIELD_SEPARATOR = "\t"
 
 
-def _client() -> redis.Redis:
+def client() -> redis.Redis:
+    """This process's Redis client for the numbers (2 s timeouts: Redis away costs seconds, never a hang)."""
     return _connect(settings.REDIS_URL)
 
 
@@ -77,7 +78,7 @@ def count_request(endpoint: str, method: str, status: int) -> None:
     """One HTTP request answered by a web process."""
     field = FIELD_SEPARATOR.join((endpoint, method, str(status)))
     try:
-        _client().hincrby(REQUESTS_KEY, field, 1)
+        client().hincrby(REQUESTS_KEY, field, 1)
     except redis.RedisError as exc:
         log.debug("request not counted: %s", exc)
 
@@ -85,7 +86,7 @@ def count_request(endpoint: str, method: str, status: int) -> None:
 def job_succeeded(job: str) -> None:
     """A periodic job (the sweeper, the pruner) ran to its end just now."""
     try:
-        _client().hset(JOBS_KEY, job, repr(time.time()))
+        client().hset(JOBS_KEY, job, repr(time.time()))
     except redis.RedisError as exc:
         log.warning("last run of %s not recorded: %s", job, exc)
 
@@ -160,7 +161,7 @@ def _push(model: str, pending: dict[str, dict[str, float]]) -> None:
     for values in pending.values():
         values.clear()
     try:
-        pipe = _client().pipeline(transaction=False)
+        pipe = client().pipeline(transaction=False)
         for name in (TTFT, INTER_TOKEN):
             key = histogram_key(name, model)
             for field, value in snapshot[name].items():
@@ -181,7 +182,7 @@ def _streams_key() -> str:
 
 def _streams_add(delta: int) -> None:
     try:
-        pipe = _client().pipeline(transaction=False)
+        pipe = client().pipeline(transaction=False)
         key = _streams_key()
         pipe.incrby(key, delta)
         pipe.expire(key, STREAMS_TTL_SECONDS)
@@ -192,7 +193,7 @@ def _streams_add(delta: int) -> None:
 
 def _streams_touch() -> None:
     try:
-        _client().expire(_streams_key(), STREAMS_TTL_SECONDS)
+        client().expire(_streams_key(), STREAMS_TTL_SECONDS)
     except redis.RedisError as exc:
         log.debug("open streams not renewed: %s", exc)
 

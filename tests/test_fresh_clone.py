@@ -266,6 +266,8 @@ def test_manage_py_works_with_the_service_stopped(clone: ServedClone):
     assert clone.process.poll() is not None
     token = last_line(clone.run(TOKEN_COMMAND))
     assert token.startswith("lmsp_")
-    listed = clone.run(".venv/bin/python manage.py lmsp_token revoke " + token.split("_")[1])
-    assert listed.returncode == 0, listed.stdout + listed.stderr
+    revoked = clone.run(".venv/bin/python manage.py lmsp_token revoke " + token.split("_")[1])
+    assert revoked.returncode == 0, revoked.stdout + revoked.stderr
+    pruned = clone.run(".venv/bin/python manage.py lmsp_prune_events")
+    assert pruned.returncode == 0, pruned.stdout + pruned.stderr
     assert processes_of(clone.folder) == []

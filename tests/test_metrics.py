@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from lmsp_project.redis_client import redis_client
 from ops_app import jobs, recorders
 
-from .conftest import make_token, parse_sse, request_body
+from .conftest import LONG_STORY, make_token, parse_sse, request_body
 
 pytestmark = pytest.mark.e2e
 
@@ -56,18 +56,23 @@ def test_series_move_when_a_generation_runs(stack, api, metrics_token):
     assert value(before, "lmsp_workers_alive", model=MODEL) >= 1
     assert ("lmsp_generations_queued", (("model", MODEL),)) in before
     assert ("lmsp_generations_running", (("model", MODEL),)) in before
-    with api.stream(
-        "POST", "/lmsp/v1/responses", json=request_body(stream=True, max_output_tokens=12)
-    ) as answer:
+    body = request_body(LONG_STORY, stream=True, max_output_tokens=64)
+    with api.stream("POST", "/lmsp/v1/responses", json=body) as answer:
         assert answer.status_code == 200
         chunks = answer.iter_text()
-        raw = next(chunks)
-        during = scrape(stack, metrics_token)  # the stream is open: we are reading it
+        raw = ""
+        while "response.output_text.delta" not in raw:  # the worker is generating
+            raw += next(chunks)
+        during = scrape(stack, metrics_token)  # and the stream is open: we are reading it
         raw += "".join(chunks)
     usage = parse_sse(raw)[-1]["data"]["usage"]
     after = scrape(stack, metrics_token)
 
     assert value(during, "lmsp_sse_streams_open") >= 1
+    in_flight = value(during, "lmsp_generations_queued", model=MODEL) + value(
+        during, "lmsp_generations_running", model=MODEL
+    )
+    assert in_flight >= 1  # the generation we are reading (63 tokens to go)
     assert value(after, "lmsp_sse_streams_open") < value(during, "lmsp_sse_streams_open")
     requests = dict(endpoint="lmsp/v1/responses", method="POST", status="200")
     assert value(after, "lmsp_http_requests_total", **requests) >= (
