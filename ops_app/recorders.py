@@ -46,7 +46,7 @@ FIELD_SEPARATOR = "\t"
 
 
 def client() -> redis.Redis:
-    """This process's Redis client for the numbers (2 s timeouts: Redis away costs seconds, never a hang)."""
+    """This process's Redis client for the numbers (2 s timeouts: never a hang)."""
     return _connect(settings.REDIS_URL)
 
 
@@ -200,14 +200,22 @@ def _streams_touch() -> None:
 
 async def counted_stream(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """An SSE body, counted as an open stream from its first chunk to its end
-    (client gone included). Redis is called from a thread: never on the loop."""
-    await asyncio.to_thread(_streams_add, 1)
+    (client gone included). Redis is called from a thread and not waited for:
+    the stream's own work (the first event, cancelling an abandoned
+    generation) never waits on it."""
+    loop = asyncio.get_running_loop()
+    loop.run_in_executor(None, _streams_add, 1)
     touched = time.monotonic()
     try:
         async for chunk in chunks:
             yield chunk
             if time.monotonic() - touched > STREAMS_TTL_SECONDS / 3:
                 touched = time.monotonic()
-                await asyncio.to_thread(_streams_touch)
+                loop.run_in_executor(None, _streams_touch)
     finally:
-        await asyncio.shield(asyncio.to_thread(_streams_add, -1))
+        try:
+            close = getattr(chunks, "aclose", None)
+            if close is not None:  # the wrapped body ends now, not when collected
+                await close()
+        finally:
+            loop.run_in_executor(None, _streams_add, -1)
