@@ -1,6 +1,17 @@
+# The lmsp image: web, workers and ops all run from it (see compose.yaml).
+#   docker build --build-arg TORCH=cpu .     # CPU torch (the default)
+#   docker build --build-arg TORCH=cu128 .   # CUDA 12.8 torch, for GPU workers
+# TORCH names a build on download.pytorch.org/whl (cpu, cu126, cu128, ...).
 FROM python:3.11-slim
+ARG TORCH=cpu
+ENV PYTHONUNBUFFERED=1 \
+    LMSP_DATA_DIR=/data \
+    LMSP_MODEL_CACHE=/app/models
 WORKDIR /app
 COPY . .
-RUN scripts/install
+RUN TORCH_INDEX_URL="https://download.pytorch.org/whl/${TORCH}" scripts/install
 ENV PATH=/app/.venv/bin:$PATH
+# The default model, converted once into the image (no hub download at run time).
 RUN python manage.py lmsp_prepare_models
+RUN useradd --system --create-home lmsp && mkdir -p /data && chown lmsp /data
+USER lmsp

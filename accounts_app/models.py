@@ -8,6 +8,8 @@ SCOPES = (
     "responses:read",
     "tasks:write",
     "tasks:read",
+    # Scraping GET /metrics (Prometheus): operators' counters, not protocol data.
+    "metrics:read",
 )
 # Reserved by the protocol for services that run tools; never granted here.
 RESERVED_SCOPES = ("tools:execute",)

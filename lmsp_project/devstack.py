@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,9 +21,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from lmsp_project import localservices
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("LMSP_DATA_DIR", ROOT / ".data"))
-DATABASE_NAME = "lmsp"
 
 
 def free_port() -> int:
@@ -58,6 +60,9 @@ def start_redis(folder: Path, port: int, persist: bool = True) -> subprocess.Pop
             str(folder / "redis.log"),
         ],
         stdout=subprocess.DEVNULL,
+        # Not stopped by the terminal's Ctrl-C: whoever started it stops it,
+        # once the processes that use it are gone.
+        start_new_session=True,
     )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -72,15 +77,12 @@ def start_redis(folder: Path, port: int, persist: bool = True) -> subprocess.Pop
 def services() -> Iterator[dict[str, str]]:
     """Environment variables naming a PostgreSQL and a Redis that are up."""
     env: dict[str, str] = {}
+    # pgserver creates its data folder but not the folder above it: on a fresh
+    # clone nothing has made the data folder yet.
+    DATA.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         if not os.environ.get("DATABASE_URL"):
-            import pgserver
-
-            server = pgserver.get_server(DATA / "postgres", cleanup_mode="stop")
-            exists = server.psql(f"SELECT 1 FROM pg_database WHERE datname = '{DATABASE_NAME}';")
-            if "(1 row)" not in exists:
-                server.psql(f"CREATE DATABASE {DATABASE_NAME};")
-            env["DATABASE_URL"] = server.get_uri().replace("/postgres?", f"/{DATABASE_NAME}?")
+            env["DATABASE_URL"] = localservices.attach_embedded_postgres(DATA)
             print(f"Embedded PostgreSQL: {env['DATABASE_URL']}", flush=True)
         if not os.environ.get("REDIS_URL"):
             port = free_port()
@@ -96,27 +98,62 @@ def manage(*args: str, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, check=True)
 
 
-def serve(env: dict[str, str]) -> int:
+def serve(env: dict[str, str], started: dict[str, str]) -> int:
+    # manage.py and workers started by hand find the embedded services here.
+    localservices.record(DATA, started)
+    try:
+        return _serve(env)
+    finally:
+        localservices.forget(DATA)
+
+
+def _serve(env: dict[str, str]) -> int:
     manage("migrate", "--no-input", env=env)
     manage("lmsp_prepare_models", env=env)
     manage("lmsp_dev_token", env=env)
-    honcho = [sys.executable, "-m", "honcho", "start", "-f", str(ROOT / "Procfile")]
+    return run_honcho(env)
+
+
+def run_honcho(env: dict[str, str]) -> int:
+    """honcho in a session of its own, with Ctrl-C and SIGTERM passed on to it
+    once: it stops its processes (SIGTERM, then SIGKILL after 5 s) and this
+    process then stops Redis and PostgreSQL, after the workers, which still
+    write to them while they stop."""
+    command = [sys.executable, "-m", "honcho", "start", "-f", str(ROOT / "Procfile")]
+    honcho = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
+    stopping = False
+
+    def forward(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        honcho.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return subprocess.run(honcho, cwd=ROOT, env=env).returncode
-    except KeyboardInterrupt:
-        return 0
+        returncode = honcho.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if stopping else returncode
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    sys.exit(128 + signum)
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in {"serve", "test"}:
         print(__doc__)
         return 2
+    # SIGTERM unwinds like Ctrl-C before honcho runs (migrations, model
+    # conversion): the embedded servers are stopped, not left behind.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with services() as extra:
         # Procfile commands run through a shell: find this interpreter's tools first.
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         env = {**os.environ, **extra, "PATH": path}
         if argv[0] == "serve":
-            return serve(env)
+            return serve(env, extra)
         return subprocess.run(
             [sys.executable, "-m", "pytest", *argv[1:]], cwd=ROOT, env=env
         ).returncode

@@ -3,10 +3,18 @@
 import os
 from pathlib import Path
 
+from . import localservices
 from .env import database_from_url, env_bool, env_float, env_int
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("LMSP_DATA_DIR", BASE_DIR / ".data"))
+# Unset DATABASE_URL / REDIS_URL: the embedded services of a running
+# scripts/serve of this checkout, as it recorded them in the data folder.
+_RUNNING = (
+    {}
+    if os.environ.get("DATABASE_URL") and os.environ.get("REDIS_URL")
+    else localservices.recorded(DATA_DIR)
+)
 
 SECRET_KEY = os.environ.get("LMSP_SECRET_KEY", "dev-only-insecure-key-change-me")
 DEBUG = env_bool("LMSP_DEBUG", False)
@@ -25,9 +33,12 @@ INSTALLED_APPS = [
     "tasks_app",
     "workers",
     "openai_app",
+    "ops_app",
 ]
 
 MIDDLEWARE = [
+    # Outermost: counts the answer as the client gets it (for /metrics).
+    "ops_app.middleware.request_metrics",
     "lmsp_core.middleware.ProtocolMiddleware",
     "openai_app.middleware.OpenAIErrorMiddleware",
     "django.middleware.security.SecurityMiddleware",
@@ -60,12 +71,13 @@ TEMPLATES = [
 
 DATABASES = {
     "default": database_from_url(
-        os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/lmsp")
+        os.environ.get("DATABASE_URL")
+        or _RUNNING.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/lmsp")
     )
 }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_URL = os.environ.get("REDIS_URL") or _RUNNING.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -168,6 +180,8 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": LMSP_PRUNE_INTERVAL_SECONDS,
     },
 }
+# Beat's last run times, in the data folder wherever LMSP_DATA_DIR puts it (the
+# Procfile and compose leave --schedule out so that this applies).
 CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
 
 LOGGING = {
@@ -176,7 +190,8 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": os.environ.get("LMSP_LOG_LEVEL", "INFO")},
-    "loggers": {"httpx": {"level": "WARNING"}},
+    # pgserver narrates every start and stop at INFO (manage.py runs start one).
+    "loggers": {"httpx": {"level": "WARNING"}, "pgserver": {"level": "WARNING"}},
 }
 
 # Database connections shared by all event-stream readers of one web process.

@@ -4,6 +4,7 @@ from django.urls import include, path, re_path
 
 from lmsp_core.errors import ProblemError
 from lmsp_core.http import csrf_free
+from ops_app import views as ops
 from responses_app import views as responses
 from tasks_app import views as tasks
 
@@ -17,7 +18,9 @@ def api_not_found(request, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, AN
 
 api = "lmsp/v1/"
 urlpatterns = [
-    path("admin/lmsp/", include("workers.admin_views")),
+    path("metrics", ops.metrics),
+    path("healthz", ops.healthz),
+    path("admin/lmsp/", include("ops_app.admin_views")),
     path("admin/", admin.site.urls),
     # The admin's CSS and scripts, from the installed apps, without a separate
     # file server or collectstatic step: the only static files are the admin's,

@@ -20,6 +20,7 @@ PACKAGES = (
     "responses_app",
     "workers",
     "openai_app",
+    "ops_app",
     "lmsp_client",
 )
 # The composition root wires everything together and may import anything.
@@ -71,6 +72,11 @@ def test_the_generation_side_imports_only_the_kernel():
 def test_nothing_imports_the_openai_adapter():
     """The OpenAI-compatible API sits on top: only the composition root mounts it."""
     assert [name for name, imports in package_imports().items() if "openai_app" in imports] == []
+
+
+def test_only_the_worker_records_into_the_operators_app():
+    importers = [name for name, imports in package_imports().items() if "ops_app" in imports]
+    assert importers == ["workers"]
 
 
 def test_the_checker_sees_imports_inside_functions(tmp_path):

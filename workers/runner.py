@@ -28,6 +28,7 @@ from generation.registry import declared_models
 from lmsp_core import protocol
 from lmsp_core.errors import problem
 from lmsp_core.status import Status
+from ops_app import recorders
 from tasks_app import lifecycle
 from tasks_app.models import Task
 
@@ -119,8 +120,14 @@ class GenerationRun:
             grammar=constraints.compiled_grammar(lm, self.params),
         )
         interval = settings.LMSP_FLUSH_INTERVAL_SECONDS
+        # Counts and times the tokens for /metrics; a resumed answer has no first token.
+        timer = recorders.TokenTimer(
+            self.spec.id, None if self.token_ids else self.response.created_at
+        )
         try:
             for token_id in generation.tokens(poll=interval):
+                if token_id is not None:
+                    timer.tick()
                 if token_id in lm.eos_token_ids:
                     self.ended_by_model = True
                 elif token_id is not None:
@@ -132,6 +139,7 @@ class GenerationRun:
                     return
         finally:
             generation.cancel()  # leaves the batch at its next step; no-op once finished
+            timer.push()
         if generation.error is not None:
             raise generation.error
 

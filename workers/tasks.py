@@ -4,6 +4,7 @@ from celery import shared_task
 from celery.signals import worker_ready, worker_shutdown
 
 from generation import heartbeat
+from ops_app import recorders
 from responses_app.retention import prune_history
 from tasks_app import lifecycle
 
@@ -18,12 +19,15 @@ def run_task(task_id: str) -> str | None:
 @shared_task(name="workers.tasks.sweep_tasks")
 def sweep_tasks() -> dict:
     report = lifecycle.sweep()
+    recorders.job_succeeded("sweep_tasks")  # the admin and /metrics flag a stale sweeper
     return {"requeued": report.requeued, "ended": report.ended, "resent": report.resent}
 
 
 @shared_task(name="workers.tasks.prune_events")
 def prune_events() -> int:
-    return prune_history()
+    pruned = prune_history()
+    recorders.job_succeeded("prune_events")
+    return pruned
 
 
 _heartbeat: heartbeat.Heartbeat | None = None

@@ -1,4 +1,5 @@
-"""The admin's own pages beside the model admins: the dashboard and the models.
+"""The admin's own pages beside the model admins: the dashboard (with the
+periodic jobs' health) and the models.
 
 Mounted under ``/admin/lmsp/`` in ``lmsp_project.urls``, each behind
 ``admin.site.admin_view`` (staff login, no caching, CSRF as elsewhere).
@@ -11,7 +12,7 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import path
 
-from . import charts, dashboard
+from . import charts, dashboard, jobs
 
 
 def dashboard_view(request: HttpRequest) -> HttpResponse:
@@ -27,6 +28,7 @@ def dashboard_view(request: HttpRequest) -> HttpResponse:
         "usage": usage,
         "depth": depth,
         "failures": dashboard.recent_failures(since),
+        "jobs": jobs.job_health_or_none(),
         "requests_chart": charts.stacked_columns(
             "Requests per hour and model, last 24 h", labels, hourly.requests
         ),

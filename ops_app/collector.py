@@ -1,0 +1,151 @@
+"""The Prometheus collector behind ``/metrics``: reads Redis and PostgreSQL on
+each scrape, so that every web process answers with the whole service's
+numbers (workers on other machines included), not its own.
+
+Counters and histograms come from what ``recorders`` added up in Redis;
+queue depth from the tasks table; live workers from their heartbeats; job
+health from ``jobs``. A part that cannot be read (Redis down) is left out
+of the scrape and ``lmsp_redis_up`` says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+
+import redis
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from generation import heartbeat
+from generation.registry import available_models
+
+from . import dashboard, jobs, recorders
+
+log = logging.getLogger(__name__)
+
+HISTOGRAMS = {
+    recorders.TTFT: (
+        "lmsp_time_to_first_token_seconds",
+        "From the request's arrival to the first generated token (queue wait included).",
+    ),
+    recorders.INTER_TOKEN: (
+        "lmsp_inter_token_latency_seconds",
+        "Between two consecutive generated tokens of one generation.",
+    ),
+}
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class LmspCollector(Collector):
+    def collect(self) -> Iterator[Metric]:
+        yield from self._database()
+        try:
+            families = list(self._redis())
+            up = 1
+        except redis.RedisError as exc:
+            log.warning("metrics from Redis left out: %s", exc)
+            families, up = [], 0
+        yield from families
+        redis_up = GaugeMetricFamily("lmsp_redis_up", "Whether this scrape could read Redis.")
+        redis_up.add_metric([], up)
+        yield redis_up
+
+    def _database(self) -> Iterator[Metric]:
+        queued = GaugeMetricFamily(
+            "lmsp_generations_queued", "Tasks waiting for a model worker.", labels=["model"]
+        )
+        running = GaugeMetricFamily(
+            "lmsp_generations_running", "Tasks being generated now.", labels=["model"]
+        )
+        for model, depth in dashboard.queue_depth().items():
+            queued.add_metric([model], depth["queued"])
+            running.add_metric([model], depth["in_progress"])
+        yield queued
+        yield running
+
+    def _redis(self) -> Iterator[Metric]:
+        client = recorders.client()
+        requests = CounterMetricFamily(
+            "lmsp_http_requests",
+            "HTTP answers by endpoint (URL pattern), method and status.",
+            labels=["endpoint", "method", "status"],
+        )
+        for field, count in sorted(client.hgetall(recorders.REQUESTS_KEY).items()):
+            labels = _text(field).split(recorders.FIELD_SEPARATOR)
+            if len(labels) == 3:
+                requests.add_metric(labels, int(count))
+        yield requests
+
+        tokens = CounterMetricFamily(
+            "lmsp_output_tokens", "Tokens generated, end-of-turn tokens included.", labels=["model"]
+        )
+        for model, count in sorted(client.hgetall(recorders.OUTPUT_TOKENS_KEY).items()):
+            tokens.add_metric([_text(model)], int(count))
+        yield tokens
+
+        for name, (metric, documentation) in HISTOGRAMS.items():
+            yield self._histogram(client, name, metric, documentation)
+
+        streams = GaugeMetricFamily(
+            "lmsp_sse_streams_open", "Server-sent event streams open now, all web processes."
+        )
+        total = 0
+        keys = list(client.scan_iter(match=recorders.STREAMS_PREFIX + "*", count=500))
+        for value in client.mget(keys) if keys else []:
+            total += max(int(value or 0), 0)
+        streams.add_metric([], total)
+        yield streams
+
+        workers = GaugeMetricFamily(
+            "lmsp_workers_alive", "Model workers serving the model (heartbeats).", labels=["model"]
+        )
+        served = heartbeat.serving_workers()
+        for model in sorted(set(available_models()) | set(served)):
+            workers.add_metric([model], len(served.get(model, [])))
+        yield workers
+
+        last = GaugeMetricFamily(
+            "lmsp_job_last_success_timestamp_seconds",
+            "When the periodic job last ran to its end (Unix time).",
+            labels=["job"],
+        )
+        stale = GaugeMetricFamily(
+            "lmsp_job_stale",
+            "1 when the periodic job has not succeeded for several intervals (or ever).",
+            labels=["job"],
+        )
+        for health in jobs.job_health():
+            if health.last_success is not None:
+                last.add_metric([health.job], health.last_success)
+            stale.add_metric([health.job], 1 if health.stale else 0)
+        yield last
+        yield stale
+
+    def _histogram(
+        self, client: redis.Redis, name: str, metric: str, documentation: str
+    ) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(metric, documentation, labels=["model"])
+        bounds = [recorders.bucket_field(upper) for upper in recorders.BUCKETS[name]]
+        pattern = recorders.histogram_key(name, "*")
+        for key in sorted(client.scan_iter(match=pattern, count=500)):
+            model = _text(key).removeprefix(recorders.histogram_key(name, ""))
+            raw = {_text(k): v for k, v in client.hgetall(key).items()}
+            cumulative, buckets = 0, []
+            for bound in bounds:
+                cumulative += int(raw.get(bound, 0))
+                buckets.append((bound, cumulative))
+            cumulative += int(raw.get("+Inf", 0))
+            buckets.append(("+Inf", cumulative))
+            total = float(raw.get("sum", 0.0))
+            family.add_metric([model], buckets, sum_value=total if math.isfinite(total) else 0.0)
+        return family

@@ -1,0 +1,61 @@
+"""Counts every HTTP answer by endpoint and status, and every open SSE stream,
+for ``/metrics``, without a line in the views.
+
+The endpoint is the matched URL pattern (``lmsp/v1/tasks/<str:task_id>``),
+never the path, so that ids do not become label values. Counting happens in a
+thread after the answer is handed on: a slow or absent Redis never delays it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from django.http import HttpRequest, HttpResponse
+from django.utils.decorators import sync_and_async_middleware
+
+from . import recorders
+
+UNMATCHED = "unmatched"
+
+
+def endpoint_of(request: HttpRequest) -> str:
+    match = getattr(request, "resolver_match", None)
+    return match.route if match is not None and match.route else UNMATCHED
+
+
+def _count_streams(response: HttpResponse) -> None:
+    if (
+        getattr(response, "streaming", False)
+        and getattr(response, "is_async", False)
+        and response.get("Content-Type", "").startswith("text/event-stream")
+    ):
+        response.streaming_content = recorders.counted_stream(response.streaming_content)
+
+
+@sync_and_async_middleware
+def request_metrics(get_response: Callable) -> Callable:  # noqa: ANN001
+    if asyncio.iscoroutinefunction(get_response):
+
+        async def middleware(request: HttpRequest) -> HttpResponse:
+            response = await get_response(request)
+            _count_streams(response)
+            asyncio.get_running_loop().run_in_executor(
+                None,
+                recorders.count_request,
+                endpoint_of(request),
+                request.method or "",
+                response.status_code,
+            )
+            return response
+
+    else:
+
+        def middleware(request: HttpRequest) -> HttpResponse:
+            response = get_response(request)
+            _count_streams(response)
+            method = request.method or ""
+            recorders.count_request(endpoint_of(request), method, response.status_code)
+            return response
+
+    return middleware

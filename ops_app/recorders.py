@@ -1,0 +1,196 @@
+"""Cheap calls that web processes and workers make to count what happens, into
+Redis, where the web's ``/metrics`` collector reads them on each scrape.
+
+Workers run on other machines and web processes come and go, so a
+per-process Prometheus registry would lose or split the numbers: every
+count goes to Redis hashes instead (HINCRBY, one pipeline per call), and
+histograms are kept as per-bucket counts. Recording never raises: a Redis
+outage costs a few counts, never a request or a generation.
+
+Only redis and Django settings are imported here; workers import this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import weakref
+from collections.abc import AsyncIterator
+from datetime import datetime
+
+import redis
+from django.conf import settings
+
+log = logging.getLogger(__name__)
+
+PREFIX = "lmsp:metrics:"
+REQUESTS_KEY = PREFIX + "requests"  # field: endpoint \t method \t status
+OUTPUT_TOKENS_KEY = PREFIX + "output_tokens"  # field: model
+STREAMS_PREFIX = PREFIX + "sse:"  # one counter per web process, with a time to live
+JOBS_KEY = "lmsp:jobs:last_success"  # field: job name, value: Unix time
+TTFT = "ttft"
+INTER_TOKEN = "itl"
+# Upper bounds in seconds. Time to first token includes the wait in the queue.
+BUCKETS = {
+    TTFT: (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0),
+    INTER_TOKEN: (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5),
+}
+# A web process that dies without closing its streams drops out after this.
+STREAMS_TTL_SECONDS = 60
+PUSH_EVERY_SECONDS = 1.0
+FIELD_SEPARATOR = "\t"
+
+
+def client() -> redis.Redis:
+    """This process's Redis client for the numbers (2 s timeouts: never a hang)."""
+    return _connect(settings.REDIS_URL)
+
+
+_clients: dict[str, redis.Redis] = {}
+
+
+def _connect(url: str) -> redis.Redis:
+    if url not in _clients:
+        _clients[url] = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+    return _clients[url]
+
+
+def histogram_key(name: str, model: str) -> str:
+    return f"{PREFIX}hist:{name}:{model}"
+
+
+def bucket_field(upper: float) -> str:
+    return repr(float(upper))
+
+
+def _bucket(name: str, seconds: float) -> str:
+    for upper in BUCKETS[name]:
+        if seconds <= upper:
+            return bucket_field(upper)
+    return "+Inf"
+
+
+def count_request(endpoint: str, method: str, status: int) -> None:
+    """One HTTP request answered by a web process."""
+    field = FIELD_SEPARATOR.join((endpoint, method, str(status)))
+    try:
+        client().hincrby(REQUESTS_KEY, field, 1)
+    except redis.RedisError as exc:
+        log.debug("request not counted: %s", exc)
+
+
+def job_succeeded(job: str) -> None:
+    """A periodic job (the sweeper, the pruner) ran to its end just now."""
+    try:
+        client().hset(JOBS_KEY, job, repr(time.time()))
+    except redis.RedisError as exc:
+        log.warning("last run of %s not recorded: %s", job, exc)
+
+
+class TokenTimer:
+    """Counts a generation's tokens and times them: the first token from the
+    request's arrival, the others from the token before. Pushed to Redis about
+    once a second, when the generation stops, and when the timer is dropped."""
+
+    def __init__(self, model: str, requested_at: datetime | None) -> None:
+        self.model = model
+        # None: this run continues an answer begun by an earlier attempt.
+        self.requested_at = requested_at.timestamp() if requested_at else None
+        self.last: float | None = None
+        self.pushed = time.monotonic()
+        self.pending: dict[str, dict[str, float]] = {TTFT: {}, INTER_TOKEN: {}, "tokens": {}}
+        self._finalizer = weakref.finalize(self, _push, model, self.pending)
+
+    def tick(self) -> None:
+        now = time.time()
+        if self.last is None:
+            if self.requested_at is not None:
+                self._observe(TTFT, max(now - self.requested_at, 0.0))
+        else:
+            self._observe(INTER_TOKEN, now - self.last)
+        self.last = now
+        tokens = self.pending["tokens"]
+        tokens["n"] = tokens.get("n", 0) + 1
+        if time.monotonic() - self.pushed >= PUSH_EVERY_SECONDS:
+            self.push()
+
+    def _observe(self, name: str, seconds: float) -> None:
+        counts = self.pending[name]
+        field = _bucket(name, seconds)
+        counts[field] = counts.get(field, 0) + 1
+        counts["sum"] = counts.get("sum", 0.0) + seconds
+        counts["count"] = counts.get("count", 0) + 1
+
+    def push(self) -> None:
+        _push(self.model, self.pending)
+        self.pushed = time.monotonic()
+
+
+def _push(model: str, pending: dict[str, dict[str, float]]) -> None:
+    if not any(pending.values()):
+        return
+    snapshot = {name: dict(values) for name, values in pending.items()}
+    for values in pending.values():
+        values.clear()
+    try:
+        pipe = client().pipeline(transaction=False)
+        for name in (TTFT, INTER_TOKEN):
+            key = histogram_key(name, model)
+            for field, value in snapshot[name].items():
+                if field == "sum":
+                    pipe.hincrbyfloat(key, field, value)
+                else:
+                    pipe.hincrby(key, field, int(value))
+        if snapshot["tokens"]:
+            pipe.hincrby(OUTPUT_TOKENS_KEY, model, int(snapshot["tokens"]["n"]))
+        pipe.execute()
+    except redis.RedisError as exc:
+        log.warning("token metrics of %s not recorded: %s", model, exc)
+
+
+def _streams_key() -> str:
+    return f"{STREAMS_PREFIX}{socket.gethostname()}:{os.getpid()}"
+
+
+def _streams_add(delta: int) -> None:
+    try:
+        pipe = client().pipeline(transaction=False)
+        key = _streams_key()
+        pipe.incrby(key, delta)
+        pipe.expire(key, STREAMS_TTL_SECONDS)
+        pipe.execute()
+    except redis.RedisError as exc:
+        log.debug("open streams not counted: %s", exc)
+
+
+def _streams_touch() -> None:
+    try:
+        client().expire(_streams_key(), STREAMS_TTL_SECONDS)
+    except redis.RedisError as exc:
+        log.debug("open streams not renewed: %s", exc)
+
+
+async def counted_stream(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """An SSE body, counted as an open stream from its first chunk to its end
+    (client gone included). Redis is called from a thread and not waited for:
+    the stream's own work (the first event, cancelling an abandoned
+    generation) never waits on it."""
+    loop = asyncio.get_running_loop()
+    loop.run_in_executor(None, _streams_add, 1)
+    touched = time.monotonic()
+    try:
+        async for chunk in chunks:
+            yield chunk
+            if time.monotonic() - touched > STREAMS_TTL_SECONDS / 3:
+                touched = time.monotonic()
+                loop.run_in_executor(None, _streams_touch)
+    finally:
+        try:
+            close = getattr(chunks, "aclose", None)
+            if close is not None:  # the wrapped body ends now, not when collected
+                await close()
+        finally:
+            loop.run_in_executor(None, _streams_add, -1)
