@@ -17,7 +17,7 @@ import random
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import httpx
 from httpx_sse import ServerSentEvent
@@ -34,6 +34,33 @@ DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=10.0)
 HEADERS = {"LMSP-Version": "1.0", "User-Agent": "lmsp-client/0.1"}
 # Answers that say "try again" rather than "this request is wrong".
 RETRYABLE_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
+HTTP = TypeVar("HTTP", httpx.Client, httpx.AsyncClient)
+TRANSPORT = TypeVar("TRANSPORT", httpx.BaseTransport, httpx.AsyncBaseTransport)
+
+
+class ClientBase(Generic[HTTP, TRANSPORT]):
+    """The constructor of both clients: ``Client`` is a
+    ``ClientBase[httpx.Client, httpx.BaseTransport]``, ``AsyncClient`` the same
+    over httpx's async client and transport."""
+
+    _http_class: type[HTTP]
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: httpx.Timeout | float | None = None,
+        transport: TRANSPORT | None = None,
+    ) -> None:
+        """``base_url`` and ``token`` default to ``LMSP_BASE_URL`` /
+        ``LMSP_TOKEN``; ``timeout`` to 60 s reads (longer than the service's
+        keep-alive) and 10 s connects; ``transport`` is httpx's (tests mock it)."""
+        self.base_url, token = settings(base_url, token)
+        options = client_options(self.base_url, token, timeout)
+        self._http: HTTP = self._http_class(**options, transport=transport)  # type: ignore[arg-type]
 
 
 def settings(base_url: str | None, token: str | None) -> tuple[str, str]:
@@ -389,6 +416,9 @@ class Reconnect:
 DROPS = (httpx.TransportError, ProblemError, GapError, StreamEnded)
 
 
+ReconnectCallback = Callable[[Reconnect], object]
+
+
 class Stream:
     """The plan of one stream of events, across its connections. The clients
     run it in one loop (``Client._run``, ``AsyncClient._run``)::
@@ -402,6 +432,8 @@ class Stream:
             except DROPS as error:
                 reconnect = retry(error); tell on_reconnect; sleep reconnect.delay
     """
+
+    on_reconnect: ReconnectCallback | None = None
 
     def request(self) -> Request:
         """The request that opens the next connection."""
@@ -471,11 +503,23 @@ class Follow(Stream):
     task is final with nothing left; an error answer raises its problem (a
     ``410`` as ``EventHistoryExpiredError``), a retryable one (5xx, 429, ...)
     and a broken, skipping or early-closed stream reconnect after a backoff,
-    until ``reconnect_timeout`` seconds pass without progress."""
+    until ``reconnect_timeout`` seconds pass without progress.
 
-    def __init__(self, task_id: str, after: int, reconnect_timeout: float | None) -> None:
+    Its constructor is the public signature of ``follow``, sync and async.
+    ``on_reconnect`` is told each ``Reconnect`` before the wait; the async
+    client awaits what it returns if that is awaitable."""
+
+    def __init__(
+        self,
+        task_id: str,
+        *,
+        after: int = 0,
+        reconnect_timeout: float | None = 300.0,
+        on_reconnect: ReconnectCallback | None = None,
+    ) -> None:
         self.task_id = task_id
         self.reconnect_timeout = reconnect_timeout
+        self.on_reconnect = on_reconnect
         self.state = Resume(after)
         self.backoff = Backoff()
         self.failing_since: float | None = None

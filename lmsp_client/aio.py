@@ -10,35 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 from httpx_sse import EventSource
 
 from . import _common as common
-from ._common import Reconnect, ResponseOptions, response_options, takes
+from ._common import ReconnectCallback, ResponseOptions, response_options, takes
 from .events import Event
 
-ReconnectCallback = Callable[[Reconnect], object]
 
-
-class AsyncClient:
+class AsyncClient(common.ClientBase[httpx.AsyncClient, httpx.AsyncBaseTransport]):
     """``AsyncClient(base_url, token)``; either may come from ``LMSP_BASE_URL`` /
     ``LMSP_TOKEN``. Use it as an async context manager, or await ``close()``."""
 
-    def __init__(
-        self,
-        base_url: str | None = None,
-        token: str | None = None,
-        *,
-        timeout: httpx.Timeout | float | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        self.base_url, token = common.settings(base_url, token)
-        self._http = httpx.AsyncClient(
-            **common.client_options(self.base_url, token, timeout), transport=transport
-        )
+    _http_class = httpx.AsyncClient
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -72,8 +59,8 @@ class AsyncClient:
                 stream.ended()
             except common.DROPS as error:
                 reconnect = stream.retry(error)
-                if on_reconnect is not None:
-                    outcome = on_reconnect(reconnect)
+                if stream.on_reconnect is not None:
+                    outcome = stream.on_reconnect(reconnect)
                     if inspect.isawaitable(outcome):
                         await outcome
                 await asyncio.sleep(reconnect.delay)
@@ -136,15 +123,9 @@ class AsyncClient:
         ``stream: true``; a broken stream raises ``ConnectionLostError``."""
         return self._run(common.DirectStream(options))
 
-    def follow(
-        self,
-        task_id: str,
-        *,
-        after: int = 0,
-        reconnect_timeout: float | None = 300.0,
-        on_reconnect: ReconnectCallback | None = None,
-    ) -> AsyncIterator[Event]:
+    @takes(common.Follow)
+    def follow(self, plan: common.Follow) -> AsyncIterator[Event]:
         """``Client.follow`` as an async iterator: every event of a task after
         ``after``, once each and in order, across any drop. ``on_reconnect``
         may also be a coroutine function; it is awaited."""
-        return self._run(common.Follow(task_id, after, reconnect_timeout), on_reconnect)
+        return self._run(plan)

@@ -13,35 +13,22 @@ without I/O, in ``_common.py``; this module only sends, reads and sleeps.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 from httpx_sse import EventSource
 
 from . import _common as common
-from ._common import Reconnect, ResponseOptions, response_options, takes
+from ._common import ResponseOptions, response_options, takes
 from .events import Event
 
-ReconnectCallback = Callable[[Reconnect], None]
 
-
-class Client:
+class Client(common.ClientBase[httpx.Client, httpx.BaseTransport]):
     """``Client(base_url, token)``; either may come from ``LMSP_BASE_URL`` /
     ``LMSP_TOKEN``. Use it as a context manager, or call ``close()``."""
 
-    def __init__(
-        self,
-        base_url: str | None = None,
-        token: str | None = None,
-        *,
-        timeout: httpx.Timeout | float | None = None,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        self.base_url, token = common.settings(base_url, token)
-        self._http = httpx.Client(
-            **common.client_options(self.base_url, token, timeout), transport=transport
-        )
+    _http_class = httpx.Client
 
     def __enter__(self) -> Client:
         return self
@@ -57,9 +44,7 @@ class Client:
     def _call(self, request: common.Request) -> Any:
         return request.answer(self._http.request(**request.send))
 
-    def _run(
-        self, stream: common.Stream, on_reconnect: ReconnectCallback | None = None
-    ) -> Iterator[Event]:
+    def _run(self, stream: common.Stream) -> Iterator[Event]:
         while True:
             try:
                 with self._http.stream(**stream.request().send) as response:
@@ -75,8 +60,8 @@ class Client:
                 stream.ended()
             except common.DROPS as error:
                 reconnect = stream.retry(error)
-                if on_reconnect is not None:
-                    on_reconnect(reconnect)
+                if stream.on_reconnect is not None:
+                    stream.on_reconnect(reconnect)
                 time.sleep(reconnect.delay)
 
     # --- plain requests ----------------------------------------------------------
@@ -141,14 +126,8 @@ class Client:
         """
         return self._run(common.DirectStream(options))
 
-    def follow(
-        self,
-        task_id: str,
-        *,
-        after: int = 0,
-        reconnect_timeout: float | None = 300.0,
-        on_reconnect: ReconnectCallback | None = None,
-    ) -> Iterator[Event]:
+    @takes(common.Follow)
+    def follow(self, plan: common.Follow) -> Iterator[Event]:
         """Every event of a task after ``after``, once each and in order, until
         its final event.
 
@@ -160,4 +139,4 @@ class Client:
         progress (``None``: never). A pruned history raises
         ``EventHistoryExpiredError``; other problems raise ``ProblemError``.
         """
-        return self._run(common.Follow(task_id, after, reconnect_timeout), on_reconnect)
+        return self._run(plan)
