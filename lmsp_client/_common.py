@@ -17,7 +17,7 @@ import random
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, cast
 
 import httpx
 from httpx_sse import ServerSentEvent
@@ -185,22 +185,20 @@ def takes(
     The method keeps its name, docstring and return annotation."""
 
     def decorate(method: Callable[[Any, Any], R]) -> Callable[Concatenate[Any, P], R]:
-        if inspect.iscoroutinefunction(method):
+        def call(self: Any, /, *args: Any, **kwargs: Any) -> Any:
+            return method(self, template(*args, **kwargs))
 
-            async def public(self: Any, *args: Any, **kwargs: Any) -> Any:
-                return await method(self, template(*args, **kwargs))
-        else:
+        async def await_call(self: Any, /, *args: Any, **kwargs: Any) -> Any:
+            return await call(self, *args, **kwargs)
 
-            def public(self: Any, *args: Any, **kwargs: Any) -> Any:
-                return method(self, template(*args, **kwargs))
-
+        public: Any = await_call if inspect.iscoroutinefunction(method) else call
         functools.wraps(method)(public)
         own = inspect.signature(method)
         self_parameter = next(iter(own.parameters.values()))
-        public.__signature__ = own.replace(  # type: ignore[attr-defined]
+        public.__signature__ = own.replace(
             parameters=[self_parameter, *inspect.signature(template).parameters.values()]
         )
-        return public
+        return cast("Callable[Concatenate[Any, P], R]", public)
 
     return decorate
 
