@@ -1,20 +1,28 @@
-"""What the synchronous and the asynchronous client share: configuration,
-request bodies, error answers and the bookkeeping of a resumable follow.
-Kept free of I/O so that both clients behave the same way."""
+"""The sans-I/O core that the synchronous and the asynchronous client share.
+
+Everything but the I/O lives here, once: configuration, the request of each
+endpoint (method, path, body, headers, timeout), how each answer is read,
+and the state machines of a direct stream and of a resumable ``follow``
+(last id, backoff, ``204``, ``410``, gap checks, when to give up). ``Client``
+and ``AsyncClient`` keep only the loop that sends, awaits and sleeps.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
 import random
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, cast
 
 import httpx
 from httpx_sse import ServerSentEvent
 
-from .errors import LMSPError, ProblemError, problem_error
+from .errors import ConnectionLostError, LMSPError, ProblemError, problem_error
 from .events import Event, parse_event
 
 API = "/lmsp/v1"
@@ -26,6 +34,33 @@ DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=10.0)
 HEADERS = {"LMSP-Version": "1.0", "User-Agent": "lmsp-client/0.1"}
 # Answers that say "try again" rather than "this request is wrong".
 RETRYABLE_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
+HTTP = TypeVar("HTTP", httpx.Client, httpx.AsyncClient)
+TRANSPORT = TypeVar("TRANSPORT", httpx.BaseTransport, httpx.AsyncBaseTransport)
+
+
+class ClientBase(Generic[HTTP, TRANSPORT]):
+    """The constructor of both clients: ``Client`` is a
+    ``ClientBase[httpx.Client, httpx.BaseTransport]``, ``AsyncClient`` the same
+    over httpx's async client and transport."""
+
+    _http_class: type[HTTP]
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: httpx.Timeout | float | None = None,
+        transport: TRANSPORT | None = None,
+    ) -> None:
+        """``base_url`` and ``token`` default to ``LMSP_BASE_URL`` /
+        ``LMSP_TOKEN``; ``timeout`` to 60 s reads (longer than the service's
+        keep-alive) and 10 s connects; ``transport`` is httpx's (tests mock it)."""
+        self.base_url, token = settings(base_url, token)
+        options = client_options(self.base_url, token, timeout)
+        self._http: HTTP = self._http_class(**options, transport=transport)  # type: ignore[arg-type]
 
 
 def settings(base_url: str | None, token: str | None) -> tuple[str, str]:
@@ -86,6 +121,172 @@ def write_headers(idempotency_key: str | None) -> dict:
     return {"Idempotency-Key": idempotency_key} if idempotency_key else {}
 
 
+@dataclass(frozen=True)
+class ResponseOptions:
+    """What a caller asks of one response, as ``response_options`` took it."""
+
+    input: str | list[dict]
+    model: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    instructions: str | None = None
+    idempotency_key: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def body(self, **more: Any) -> dict:
+        """The request body, with ``more`` members over the caller's ``extra``."""
+        return response_body(
+            self.input,
+            model=self.model,
+            max_output_tokens=self.max_output_tokens,
+            temperature=self.temperature,
+            instructions=self.instructions,
+            extra={**self.extra, **more},
+        )
+
+    def headers(self, **more: str) -> dict:
+        return {**write_headers(self.idempotency_key), **more}
+
+
+def response_options(
+    input: str | list[dict],  # noqa: A002 - the protocol's name
+    *,
+    model: str | None = None,
+    max_output_tokens: int | None = None,
+    temperature: float | None = None,
+    instructions: str | None = None,
+    idempotency_key: str | None = None,
+    **extra: Any,
+) -> ResponseOptions:
+    """The keyword signature of every method that asks for a response
+    (``create_response``, ``create_task``, ``stream_response``, sync and async).
+
+    ``input`` is a list of input items, or a string for one user message;
+    ``model`` defaults to ``LMSP_MODEL`` or ``smollm2:135m``; ``instructions``
+    becomes a leading system message; ``idempotency_key`` makes a retried
+    write safe; other request members (``tools``, ``store``, ...) go in
+    ``extra``. Members not given are not sent: the service's defaults apply.
+    """
+    return ResponseOptions(
+        input, model, max_output_tokens, temperature, instructions, idempotency_key, extra
+    )
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def takes(
+    template: Callable[P, Any],
+) -> Callable[[Callable[[Any, Any], R]], Callable[Concatenate[Any, P], R]]:
+    """Give a method written as ``(self, options)`` the public signature of
+    ``template`` (for callers, ``help()`` and type checkers): the caller's
+    arguments go through ``template``, and the method gets what it returns.
+    The method keeps its name, docstring and return annotation."""
+
+    def decorate(method: Callable[[Any, Any], R]) -> Callable[Concatenate[Any, P], R]:
+        def call(self: Any, /, *args: Any, **kwargs: Any) -> Any:
+            return method(self, template(*args, **kwargs))
+
+        async def await_call(self: Any, /, *args: Any, **kwargs: Any) -> Any:
+            return await call(self, *args, **kwargs)
+
+        public: Any = await_call if inspect.iscoroutinefunction(method) else call
+        functools.wraps(method)(public)
+        own = inspect.signature(method)
+        self_parameter = next(iter(own.parameters.values()))
+        public.__signature__ = own.replace(
+            parameters=[self_parameter, *inspect.signature(template).parameters.values()]
+        )
+        return cast("Callable[Concatenate[Any, P], R]", public)
+
+    return decorate
+
+
+# --- requests: what each endpoint sends, and how its answer is read ------------------
+
+# A generation without streaming sends nothing until it is done.
+UNTIL_DONE = httpx.Timeout(None, connect=10.0)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of the protocol, before any I/O."""
+
+    method: str
+    path: str
+    json: dict | None = None
+    params: dict | None = None
+    headers: dict | None = None
+    timeout: Any = httpx.USE_CLIENT_DEFAULT
+    member: str | None = None  # the member of the JSON answer returned; None: all of it
+
+    @property
+    def send(self) -> dict:
+        """The arguments of ``request`` and ``stream``, of httpx's both clients."""
+        return {
+            "method": self.method,
+            "url": API + self.path,
+            "json": self.json,
+            "params": self.params,
+            "headers": self.headers,
+            "timeout": self.timeout,
+        }
+
+    def answer(self, response: httpx.Response) -> Any:
+        """What the client's method returns for this answer (already read);
+        an error answer raises its problem."""
+        check(response)
+        body = response.json()
+        return body if self.member is None else body[self.member]
+
+
+def models() -> Request:
+    return Request("GET", "/models", member="data")
+
+
+def model(model_id: str) -> Request:
+    return Request("GET", f"/models/{model_id}")
+
+
+def create_response(options: ResponseOptions) -> Request:
+    return Request(
+        "POST",
+        "/responses",
+        json=options.body(stream=False),
+        headers=options.headers(),
+        timeout=UNTIL_DONE,
+    )
+
+
+def get_response(response_id: str) -> Request:
+    return Request("GET", f"/responses/{response_id}")
+
+
+def create_task(options: ResponseOptions) -> Request:
+    task = {"type": "response", "request": options.body()}
+    return Request("POST", "/tasks", json=task, headers=options.headers())
+
+
+def get_task(task_id: str) -> Request:
+    return Request("GET", f"/tasks/{task_id}")
+
+
+def cancel(task_id: str) -> Request:
+    return Request("POST", f"/tasks/{task_id}/cancel")
+
+
+def list_tasks(status: str | None, limit: int | None, after: str | None) -> Request:
+    params = {k: v for k, v in (("status", status), ("limit", limit), ("after", after)) if v}
+    return Request("GET", "/tasks", params=params)
+
+
+def next_cursor(page: dict) -> str | None:
+    """The cursor of the page after ``page`` of ``list_tasks``; None after the last."""
+    after = page.get("next_cursor")
+    return after if page.get("has_more") and after else None
+
+
 def problem_of(response: httpx.Response) -> dict:
     """The problem document of an error answer (already read). An answer that is
     not one (a proxy's HTML page) still becomes a problem-shaped dict."""
@@ -127,14 +328,18 @@ def real_events(sse_events: Iterable[ServerSentEvent]) -> Iterator[Event]:
     """
     for sse in sse_events:
         if sse.data:
-            yield parse_event(sse.event, sse.data, sse.id)
+            yield event_of(sse)
 
 
 async def areal_events(sse_events: AsyncIterable[ServerSentEvent]) -> AsyncIterator[Event]:
     """``real_events`` for an async stream."""
     async for sse in sse_events:
         if sse.data:
-            yield parse_event(sse.event, sse.data, sse.id)
+            yield event_of(sse)
+
+
+def event_of(sse: ServerSentEvent) -> Event:
+    return parse_event(sse.event, sse.data, sse.id)
 
 
 @dataclass
@@ -201,3 +406,153 @@ class Reconnect:
     delay: float
     last_event_id: int
     error: BaseException
+
+
+# --- streams: what each connection asks, and what each event or drop means ----------
+
+# What the clients' stream loop hands to its stream's ``retry``.
+DROPS = (httpx.TransportError, ProblemError, GapError, StreamEnded)
+
+
+ReconnectCallback = Callable[[Reconnect], object]
+
+
+class Stream:
+    """The plan of one stream of events, across its connections. The clients
+    run it in one loop (``Client._run``, ``AsyncClient._run``)::
+
+        while True:
+            try:
+                open a connection with request()
+                    read the body of an error answer; stop if not opened(answer)
+                    for each event: if accept(event), yield it; stop after a final one
+                ended()
+            except DROPS as error:
+                reconnect = retry(error); tell on_reconnect; sleep reconnect.delay
+    """
+
+    on_reconnect: ReconnectCallback | None = None
+
+    def request(self) -> Request:
+        """The request that opens the next connection."""
+        raise NotImplementedError
+
+    def opened(self, response: httpx.Response) -> bool:
+        """Whether the answer (an error's body already read) carries events to
+        read; an error answer raises its problem."""
+        raise NotImplementedError
+
+    def accept(self, event: Event) -> bool:
+        """Whether an event received is delivered to the caller."""
+        raise NotImplementedError
+
+    def ended(self) -> None:
+        """The connection closed before a final event: raise."""
+        raise NotImplementedError
+
+    def retry(self, error: BaseException) -> Reconnect:
+        """After a drop: when and how to reconnect, or raise to give up."""
+        raise NotImplementedError
+
+
+class DirectStream(Stream):
+    """A response generated with ``stream: true``: one connection, which the
+    generation belongs to, so a drop ends it with ``ConnectionLostError``."""
+
+    def __init__(self, options: ResponseOptions) -> None:
+        self.last = 0
+        self._request = Request(
+            "POST",
+            "/responses",
+            json=options.body(stream=True),
+            headers=options.headers(Accept="text/event-stream"),
+        )
+
+    def request(self) -> Request:
+        return self._request
+
+    def opened(self, response: httpx.Response) -> bool:
+        check(response)
+        return True
+
+    def accept(self, event: Event) -> bool:
+        self.last = event.id or self.last
+        return True
+
+    def ended(self) -> None:
+        raise ConnectionLostError(
+            f"the stream ended after event {self.last} without a final event",
+            last_event_id=self.last,
+        )
+
+    def retry(self, error: BaseException) -> Reconnect:
+        if isinstance(error, httpx.TransportError):
+            raise ConnectionLostError(
+                f"the stream broke after event {self.last} ({error!r}); a direct stream "
+                "cannot be resumed",
+                last_event_id=self.last,
+            ) from error
+        raise error
+
+
+class Follow(Stream):
+    """The resume state machine of ``follow``: each connection asks for the
+    events after the last one delivered (``Last-Event-ID``); ``204`` means the
+    task is final with nothing left; an error answer raises its problem (a
+    ``410`` as ``EventHistoryExpiredError``), a retryable one (5xx, 429, ...)
+    and a broken, skipping or early-closed stream reconnect after a backoff,
+    until ``reconnect_timeout`` seconds pass without progress.
+
+    Its constructor is the public signature of ``follow``, sync and async.
+    ``on_reconnect`` is told each ``Reconnect`` before the wait; the async
+    client awaits what it returns if that is awaitable."""
+
+    def __init__(
+        self,
+        task_id: str,
+        *,
+        after: int = 0,
+        reconnect_timeout: float | None = 300.0,
+        on_reconnect: ReconnectCallback | None = None,
+    ) -> None:
+        self.task_id = task_id
+        self.reconnect_timeout = reconnect_timeout
+        self.on_reconnect = on_reconnect
+        self.state = Resume(after)
+        self.backoff = Backoff()
+        self.failing_since: float | None = None
+
+    def request(self) -> Request:
+        self.state.connections += 1
+        return Request("GET", f"/tasks/{self.task_id}/events", headers=self.state.headers)
+
+    def opened(self, response: httpx.Response) -> bool:
+        if response.status_code == 204:
+            return False
+        check(response, after=self.state.last)
+        return True
+
+    def accept(self, event: Event) -> bool:
+        if not self.state.accept(event):
+            return False
+        self.backoff.reset()
+        self.failing_since = None
+        return True
+
+    def ended(self) -> None:
+        raise StreamEnded(f"the stream closed after event {self.state.last}")
+
+    def retry(self, error: BaseException) -> Reconnect:
+        if isinstance(error, ProblemError) and not is_retryable(error):
+            raise error
+        now = time.monotonic()
+        self.failing_since = self.failing_since or now
+        timeout = self.reconnect_timeout
+        if timeout is not None and now - self.failing_since > timeout:
+            raise ConnectionLostError(
+                f"gave up following {self.task_id} after {timeout:g} s "
+                f"without progress; last event {self.state.last}: {error}",
+                last_event_id=self.state.last,
+            ) from error
+        delay = self.backoff.next_delay()
+        return Reconnect(self.task_id, self.backoff.failures, delay, self.state.last, error)

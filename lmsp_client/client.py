@@ -4,41 +4,31 @@ A thin layer over httpx: one method per endpoint, problem documents raised
 as exceptions, stream events typed, and ``follow`` which turns a task's
 event stream into one uninterrupted iterator however often the connection
 (or the web process behind it) drops.
+
+What each request is and what each answer, event or drop means lives once,
+without I/O, in ``_common.py``; this module only sends, reads and sleeps.
+``AsyncClient`` (``aio.py``) is its awaitable twin over the same core.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 from httpx_sse import EventSource
 
 from . import _common as common
-from ._common import API, Backoff, GapError, Reconnect, Resume, StreamEnded, check
-from .errors import ConnectionLostError, ProblemError
+from ._common import ResponseOptions, response_options, takes
 from .events import Event
 
-ReconnectCallback = Callable[[Reconnect], None]
 
-
-class Client:
+class Client(common.ClientBase[httpx.Client, httpx.BaseTransport]):
     """``Client(base_url, token)``; either may come from ``LMSP_BASE_URL`` /
     ``LMSP_TOKEN``. Use it as a context manager, or call ``close()``."""
 
-    def __init__(
-        self,
-        base_url: str | None = None,
-        token: str | None = None,
-        *,
-        timeout: httpx.Timeout | float | None = None,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        self.base_url, token = common.settings(base_url, token)
-        self._http = httpx.Client(
-            **common.client_options(self.base_url, token, timeout), transport=transport
-        )
+    _http_class = httpx.Client
 
     def __enter__(self) -> Client:
         return self
@@ -49,94 +39,70 @@ class Client:
     def close(self) -> None:
         self._http.close()
 
-    # --- plain requests ----------------------------------------------------------
+    # --- I/O: the only places that send ------------------------------------------
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        response = self._http.request(method, API + path, **kwargs)
-        check(response)
-        return response
+    def _call(self, request: common.Request) -> Any:
+        return request.answer(self._http.request(**request.send))
+
+    def _run(self, stream: common.Stream) -> Iterator[Event]:
+        while True:
+            try:
+                with self._http.stream(**stream.request().send) as response:
+                    if response.is_error:
+                        response.read()
+                    if not stream.opened(response):
+                        return
+                    for event in common.real_events(EventSource(response).iter_sse()):
+                        if stream.accept(event):
+                            yield event
+                            if event.is_final:
+                                return
+                stream.ended()
+            except common.DROPS as error:
+                reconnect = stream.retry(error)
+                if stream.on_reconnect is not None:
+                    stream.on_reconnect(reconnect)
+                time.sleep(reconnect.delay)
+
+    # --- plain requests ----------------------------------------------------------
 
     def models(self) -> list[dict]:
         """The models this service serves (``GET /models``)."""
-        return self._call("GET", "/models").json()["data"]
+        return self._call(common.models())
 
     def model(self, model_id: str) -> dict:
-        return self._call("GET", f"/models/{model_id}").json()
+        """One model (``GET /models/{model_id}``)."""
+        return self._call(common.model(model_id))
 
-    def create_response(
-        self,
-        input: str | list[dict],  # noqa: A002 - the protocol's name
-        *,
-        model: str | None = None,
-        max_output_tokens: int | None = None,
-        temperature: float | None = None,
-        instructions: str | None = None,
-        idempotency_key: str | None = None,
-        **extra: Any,
-    ) -> dict:
+    @takes(response_options)
+    def create_response(self, options: ResponseOptions) -> dict:
         """Generate and wait for the whole response object (``stream: false``).
         ``input`` is a list of input items, or a string for one user message;
         other request members (``tools``, ``store``, ...) go in ``extra``."""
-        body = common.response_body(
-            input,
-            model=model,
-            max_output_tokens=max_output_tokens,
-            temperature=temperature,
-            instructions=instructions,
-            extra={**extra, "stream": False},
-        )
-        return self._call(
-            "POST",
-            "/responses",
-            json=body,
-            headers=common.write_headers(idempotency_key),
-            timeout=httpx.Timeout(None, connect=10.0),  # nothing is sent until it is done
-        ).json()
+        return self._call(common.create_response(options))
 
     def get_response(self, response_id: str) -> dict:
         """A response stored with ``store: true``."""
-        return self._call("GET", f"/responses/{response_id}").json()
+        return self._call(common.get_response(response_id))
 
-    def create_task(
-        self,
-        input: str | list[dict],  # noqa: A002
-        *,
-        model: str | None = None,
-        max_output_tokens: int | None = None,
-        temperature: float | None = None,
-        instructions: str | None = None,
-        idempotency_key: str | None = None,
-        **extra: Any,
-    ) -> dict:
+    @takes(response_options)
+    def create_task(self, options: ResponseOptions) -> dict:
         """Queue a durable generation (``POST /tasks``); returns the task."""
-        request = common.response_body(
-            input,
-            model=model,
-            max_output_tokens=max_output_tokens,
-            temperature=temperature,
-            instructions=instructions,
-            extra=extra,
-        )
-        return self._call(
-            "POST",
-            "/tasks",
-            json={"type": "response", "request": request},
-            headers=common.write_headers(idempotency_key),
-        ).json()
+        return self._call(common.create_task(options))
 
     def get_task(self, task_id: str) -> dict:
-        return self._call("GET", f"/tasks/{task_id}").json()
+        """A task and its status (``GET /tasks/{task_id}``)."""
+        return self._call(common.get_task(task_id))
 
     def cancel(self, task_id: str) -> dict:
         """Cancel a task; a task already final raises ``task_not_cancellable``."""
-        return self._call("POST", f"/tasks/{task_id}/cancel").json()
+        return self._call(common.cancel(task_id))
 
     def list_tasks(
         self, *, status: str | None = None, limit: int | None = None, after: str | None = None
     ) -> dict:
         """One page of the owner's tasks, newest first."""
-        params = {k: v for k, v in (("status", status), ("limit", limit), ("after", after)) if v}
-        return self._call("GET", "/tasks", params=params).json()
+        return self._call(common.list_tasks(status, limit, after))
 
     def tasks(self, *, status: str | None = None, page_size: int = 20) -> Iterator[dict]:
         """Every task of the owner, newest first, paging through the cursor."""
@@ -144,69 +110,24 @@ class Client:
         while True:
             page = self.list_tasks(status=status, limit=page_size, after=after)
             yield from page["data"]
-            after = page.get("next_cursor")
-            if not page.get("has_more") or not after:
+            after = common.next_cursor(page)
+            if after is None:
                 return
 
     # --- streams ------------------------------------------------------------------
 
-    def stream_response(
-        self,
-        input: str | list[dict],  # noqa: A002
-        *,
-        model: str | None = None,
-        max_output_tokens: int | None = None,
-        temperature: float | None = None,
-        instructions: str | None = None,
-        idempotency_key: str | None = None,
-        **extra: Any,
-    ) -> Iterator[Event]:
+    @takes(response_options)
+    def stream_response(self, options: ResponseOptions) -> Iterator[Event]:
         """Generate with ``stream: true`` and yield the events as they come.
 
         A direct stream belongs to its connection: if it breaks, this raises
         ``ConnectionLostError`` (and the service cancels the generation).
         Use ``create_task`` + ``follow`` for output that must survive drops.
         """
-        body = common.response_body(
-            input,
-            model=model,
-            max_output_tokens=max_output_tokens,
-            temperature=temperature,
-            instructions=instructions,
-            extra={**extra, "stream": True},
-        )
-        headers = {**common.write_headers(idempotency_key), "Accept": "text/event-stream"}
-        last = 0
-        try:
-            with self._http.stream(
-                "POST", API + "/responses", json=body, headers=headers
-            ) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    check(response)
-                for event in common.real_events(EventSource(response).iter_sse()):
-                    last = event.id or last
-                    yield event
-                    if event.is_final:
-                        return
-        except httpx.TransportError as error:
-            raise ConnectionLostError(
-                f"the stream broke after event {last} ({error!r}); a direct stream cannot "
-                "be resumed",
-                last_event_id=last,
-            ) from error
-        raise ConnectionLostError(
-            f"the stream ended after event {last} without a final event", last_event_id=last
-        )
+        return self._run(common.DirectStream(options))
 
-    def follow(
-        self,
-        task_id: str,
-        *,
-        after: int = 0,
-        reconnect_timeout: float | None = 300.0,
-        on_reconnect: ReconnectCallback | None = None,
-    ) -> Iterator[Event]:
+    @takes(common.Follow)
+    def follow(self, plan: common.Follow) -> Iterator[Event]:
         """Every event of a task after ``after``, once each and in order, until
         its final event.
 
@@ -218,40 +139,4 @@ class Client:
         progress (``None``: never). A pruned history raises
         ``EventHistoryExpiredError``; other problems raise ``ProblemError``.
         """
-        state = Resume(after)
-        backoff = Backoff()
-        failing_since: float | None = None
-        url = f"{API}/tasks/{task_id}/events"
-        while True:
-            try:
-                state.connections += 1
-                with self._http.stream("GET", url, headers=state.headers) as response:
-                    if response.status_code == 204:
-                        return
-                    if response.status_code >= 400:
-                        response.read()
-                        check(response, after=state.last)
-                    for event in common.real_events(EventSource(response).iter_sse()):
-                        if not state.accept(event):
-                            continue
-                        backoff.reset()
-                        failing_since = None
-                        yield event
-                        if event.is_final:
-                            return
-                raise StreamEnded(f"the stream closed after event {state.last}")
-            except (httpx.TransportError, ProblemError, GapError, StreamEnded) as error:
-                if isinstance(error, ProblemError) and not common.is_retryable(error):
-                    raise
-                now = time.monotonic()
-                failing_since = failing_since or now
-                if reconnect_timeout is not None and now - failing_since > reconnect_timeout:
-                    raise ConnectionLostError(
-                        f"gave up following {task_id} after {reconnect_timeout:g} s "
-                        f"without progress; last event {state.last}: {error}",
-                        last_event_id=state.last,
-                    ) from error
-                delay = backoff.next_delay()
-                if on_reconnect is not None:
-                    on_reconnect(Reconnect(task_id, backoff.failures, delay, state.last, error))
-                time.sleep(delay)
+        return self._run(plan)

@@ -10,6 +10,7 @@ original object, members this module does not name included.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -55,55 +56,57 @@ class Event:
         return "\n".join(lines) + "\n\n"
 
 
+# The members of each event type are its dataclass fields (``fields`` lists
+# them, set below from the dataclass); a type with no members of its own over
+# its base's only names itself, and needs no @dataclass of its own.
+
+
 @dataclass(frozen=True, kw_only=True)
-class ResponseCreated(Event):
-    type: ClassVar[str] = "response.created"
-    fields: ClassVar[tuple[str, ...]] = ("response_id", "status")
+class _ResponseEvent(Event):
     response_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class _StatusEvent(_ResponseEvent):
     status: str
 
 
+class ResponseCreated(_StatusEvent):
+    type: ClassVar[str] = "response.created"
+
+
 @dataclass(frozen=True, kw_only=True)
-class OutputItemAdded(Event):
+class _ItemEvent(_ResponseEvent):
+    output_index: int
+    item: dict
+
+
+class OutputItemAdded(_ItemEvent):
     type: ClassVar[str] = "response.output_item.added"
-    fields: ClassVar[tuple[str, ...]] = ("response_id", "output_index", "item")
-    response_id: str
-    output_index: int
-    item: dict
 
 
-@dataclass(frozen=True, kw_only=True)
-class OutputItemDone(Event):
+class OutputItemDone(_ItemEvent):
     type: ClassVar[str] = "response.output_item.done"
-    fields: ClassVar[tuple[str, ...]] = ("response_id", "output_index", "item")
-    response_id: str
-    output_index: int
-    item: dict
 
 
 @dataclass(frozen=True, kw_only=True)
-class _Delta(Event):
-    fields: ClassVar[tuple[str, ...]] = ("response_id", "item_id", "delta")
-    response_id: str
+class _Delta(_ResponseEvent):
     item_id: str
     delta: str
 
 
-@dataclass(frozen=True, kw_only=True)
 class OutputTextDelta(_Delta):
     """Text appended to a message item."""
 
     type: ClassVar[str] = "response.output_text.delta"
 
 
-@dataclass(frozen=True, kw_only=True)
 class ReasoningSummaryTextDelta(_Delta):
     """Text appended to a reasoning item's summary (thinking models)."""
 
     type: ClassVar[str] = "response.reasoning_summary_text.delta"
 
 
-@dataclass(frozen=True, kw_only=True)
 class FunctionCallArgumentsDelta(_Delta):
     """Characters appended to a function call's JSON ``arguments``."""
 
@@ -111,40 +114,29 @@ class FunctionCallArgumentsDelta(_Delta):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ResponseCompleted(Event):
-    type: ClassVar[str] = "response.completed"
-    fields: ClassVar[tuple[str, ...]] = ("response_id", "status", "usage")
-    response_id: str
-    status: str
+class _Ended(_StatusEvent):
     usage: dict | None = None
 
 
+class ResponseCompleted(_Ended):
+    type: ClassVar[str] = "response.completed"
+
+
+class ResponseCancelled(_Ended):
+    type: ClassVar[str] = "response.cancelled"
+
+
 @dataclass(frozen=True, kw_only=True)
-class ResponseIncomplete(Event):
+class ResponseIncomplete(_StatusEvent):
     type: ClassVar[str] = "response.incomplete"
-    fields: ClassVar[tuple[str, ...]] = ("response_id", "status", "incomplete_details", "usage")
-    response_id: str
-    status: str
     incomplete_details: dict | None = None
     usage: dict | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
-class ResponseFailed(Event):
+class ResponseFailed(_StatusEvent):
     type: ClassVar[str] = "response.failed"
-    fields: ClassVar[tuple[str, ...]] = ("response_id", "status", "error")
-    response_id: str
-    status: str
     error: dict | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class ResponseCancelled(Event):
-    type: ClassVar[str] = "response.cancelled"
-    fields: ClassVar[tuple[str, ...]] = ("response_id", "status", "usage")
-    response_id: str
-    status: str
-    usage: dict | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,7 +144,6 @@ class ErrorEvent(Event):
     """A problem not tied to one response; the stream cannot continue."""
 
     type: ClassVar[str] = "error"
-    fields: ClassVar[tuple[str, ...]] = ("error",)
     error: dict
 
 
@@ -187,6 +178,9 @@ EVENT_TYPES: dict[str, type[Event]] = {
         ErrorEvent,
     )
 }
+
+for _cls in EVENT_TYPES.values():
+    _cls.fields = tuple(f.name for f in dataclasses.fields(_cls) if f.name not in ("id", "data"))
 
 DELTA_TYPES = (OutputTextDelta, ReasoningSummaryTextDelta, FunctionCallArgumentsDelta)
 
