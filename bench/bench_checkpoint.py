@@ -16,7 +16,7 @@ Bytes are PostgreSQL's own: the write-ahead log grown over the run
 (``pg_current_wal_insert_lsn``), divided by the number of tokens. The JSON
 that each variant hands to PostgreSQL is counted too. Uses the embedded
 PostgreSQL and Redis of ``lmsp_project.devstack`` unless DATABASE_URL /
-REDIS_URL are set; the task is cancelled at the end.
+REDIS_URL are set; each task is closed as cancelled at the end.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def run(lengths: list[int], flush_tokens: int) -> None:
 
     from generation.output import OutputAssembler
     from generation.registry import get_model
+    from lmsp_core.status import Status
     from responses_app.serializers import validate_response_request
     from responses_app.submit import prepare_generation, start_generation
     from tasks_app import lifecycle
@@ -110,7 +111,9 @@ def run(lengths: list[int], flush_tokens: int) -> None:
                 handed += len(json.dumps(checkpoint))
                 lifecycle.record_progress(task.id, task.attempt, events, [], {**checkpoint})
         written = wal() - start
-        lifecycle.request_cancel(task.id)
+        # Closed as a worker closes a cancelled task: nothing is left running
+        # (or in the old checkpoint format) for a sweeper to find.
+        lifecycle.finish(task.id, task.attempt, [], lifecycle.Outcome(status=Status.CANCELLED))
         return written / length, handed / length
 
     print(f"bytes per output token, flushing every {flush_tokens} tokens")
