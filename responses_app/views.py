@@ -64,47 +64,61 @@ async def create_response(request: HttpRequest) -> HttpResponse:
     """POST /lmsp/v1/responses: a synchronous answer or a direct event stream.
 
     The generation runs on a worker either way; this view follows its event
-    log. If the client goes away first, the generation is cancelled.
+    log. If the client goes away first, the generation is cancelled, unless
+    nobody but this client could want it: a replay of an idempotent request
+    (``Idempotency-Key``) never cancels (the first request owns the
+    generation), and neither does a keyed synchronous request, whose retry
+    with the same key is to get the answer.
     """
     check_method(request, ("POST",))
     token = await authenticate(request, "responses:write")
     key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
     body = validate_response_request(json_body(request))
+    keyed = key is not None
     task = await _accepted(
-        db_call(submit, token.owner, body, kind=TaskKind.DIRECT, idempotency_key=key)
+        db_call(submit, token.owner, body, kind=TaskKind.DIRECT, idempotency_key=key),
+        cancel_if_left=not keyed or body["stream"],
     )
+    replayed = getattr(task, "replayed", False)
     if body["stream"]:
         return StreamingHttpResponse(
-            _direct_stream(task.id), content_type="text/event-stream", headers=SSE_HEADERS
+            _direct_stream(task.id, cancel_if_left=not replayed),
+            content_type="text/event-stream",
+            headers=SSE_HEADERS,
         )
     try:
         async for _ in follow(task.id, 0):
             pass
     except asyncio.CancelledError:
-        await asyncio.shield(db_call(task_services.cancel_abandoned, task.id))
+        if not keyed:  # keyed: the retry with the same key gets the answer
+            await asyncio.shield(db_call(task_services.cancel_abandoned, task.id))
         raise
     return await db_call(_final_answer, task.id)
 
 
-async def _accepted(start: Awaitable[Task]) -> Task:
-    """Start a generation even if the client leaves meanwhile, and then stop it:
-    the database work cannot be interrupted halfway, and nobody would read
-    what it generates."""
+async def _accepted(start: Awaitable[Task], cancel_if_left: bool) -> Task:
+    """Start a generation even if the client leaves meanwhile, and then stop it
+    (when ``cancel_if_left``): the database work cannot be interrupted halfway,
+    and nobody would read what it generates."""
     started = asyncio.ensure_future(start)
     try:
         return await asyncio.shield(started)
     except asyncio.CancelledError:
-        started.add_done_callback(_cancel_orphan)
+        if cancel_if_left:
+            started.add_done_callback(_cancel_orphan)
         raise
 
 
 def _cancel_orphan(started: asyncio.Future) -> None:
     if started.cancelled() or started.exception() is not None:
         return
-    asyncio.ensure_future(db_call(task_services.cancel_abandoned, started.result().id))
+    task = started.result()
+    if getattr(task, "replayed", False):
+        return  # a replay's generation belongs to the first request
+    asyncio.ensure_future(db_call(task_services.cancel_abandoned, task.id))
 
 
-async def _direct_stream(task_id: str):  # noqa: ANN202
+async def _direct_stream(task_id: str, cancel_if_left: bool):  # noqa: ANN202
     delivered = False
     try:
         async for frame in follow(task_id, 0):
@@ -113,5 +127,5 @@ async def _direct_stream(task_id: str):  # noqa: ANN202
     finally:
         if delivered:
             await db_call(records.discard_unneeded, delivered_task_id=task_id)
-        else:  # the client went away mid-stream
+        elif cancel_if_left:  # the client went away mid-stream
             await asyncio.shield(db_call(task_services.cancel_abandoned, task_id))
