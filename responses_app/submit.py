@@ -71,7 +71,7 @@ def prepare_generation(
         previous = stored_response(
             owner, request["previous_response_id"], at("previous_response_id")
         )
-    unusable = schema_problem(params)
+    unusable = schema_problem(params, spec)
     if unusable is not None:
         raise ProblemError("invalid_request", unusable[1], param=at(unusable[0]))
     context = (conversation_items(previous) if previous else []) + request["input"]

@@ -46,6 +46,10 @@ def serve_models(sender: object, **_: object) -> None:
     served = [spec for spec in available_models().values() if spec.queue in queues]
     for spec in served:
         load_model(spec)
+    if served:  # grammars compile in children of a fork server: start it now
+        from generation import grammar_limits
+
+        grammar_limits.warm()
     if served:
         _heartbeat = heartbeat.Heartbeat([spec.id for spec in served], sender.hostname)
         _heartbeat.start()
