@@ -147,6 +147,7 @@ class OutputAssembler:
         if mode == "think":
             events = self._reasoning(buf.rstrip())
         elif mode == "tool":
+            buf = buf[: len(buf) - _held_back(buf, (TOOL_CLOSE,))]  # a half closing tag
             whole = _parse_call(buf) is not None
             events = self._close_open() + (self._tool_call(buf) if whole else [])
         else:

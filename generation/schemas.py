@@ -50,10 +50,11 @@ def _compact_json(schema: dict) -> dict:
 
 
 def _call(tool: dict) -> dict:
-    """One tool's call in the Hermes format the output parser reads back."""
+    """One tool's call in the Hermes format the output parser reads back, as
+    compact JSON: ``<tool_call>\n{"name":"f","arguments":{"a":1}}\n</tool_call>``."""
     return {
         "type": "tag",
-        "begin": f'{TOOL_OPEN}\n{{"name": {json.dumps(tool["name"])}, "arguments": ',
+        "begin": f'{TOOL_OPEN}\n{{"name":{json.dumps(tool["name"])},"arguments":',
         "content": _compact_json(tool.get("parameters") or NO_PARAMETERS),
         "end": f"}}\n{TOOL_CLOSE}",
     }
