@@ -240,9 +240,9 @@ def _sweep_expired(task_id: str, now: timezone.datetime, report: SweepReport) ->
             report.requeued.append(task.id)
 
 
-def _resend_if_lost(
-    task_id: str, in_broker: set[str], now: timezone.datetime, report: SweepReport
-) -> None:
+def _resend(task_id: str, now: timezone.datetime, report: SweepReport) -> None:
+    """Send a still queued task's job again (its message is gone), or fail it
+    when its model is."""
     with transaction.atomic():
         task = Task.objects.select_for_update().select_related("response").get(id=task_id)
         if task.status != Status.QUEUED:
@@ -252,10 +252,8 @@ def _resend_if_lost(
             _fail_model_gone(task)
             report.failed.append(task.id)
             return
-        task.enqueued_at = now  # looked at now: the next look is a full period away
+        task.enqueued_at = now  # sent now: the next look is a full period away
         task.save(update_fields=["enqueued_at"])
-        if task.id in in_broker:
-            return  # waiting its turn behind a backlog, not lost
     send_job(task.id, queue)
     report.resent.append(task.id)
 
@@ -285,11 +283,16 @@ def sweep() -> SweepReport:
         return report
     queues = {spec.queue for spec in declared_models().values()}
     in_broker = broker.task_ids_in_broker(queues)
-    for task_id, model in waiting:
-        if in_broker is None and model in declared_models():
-            continue  # the broker cannot be read: nothing is known lost, nor sendable
+    declared = declared_models()
+    if in_broker is None:  # the broker cannot be read: nothing is known lost, nor sendable
+        waiting = [(task_id, model) for task_id, model in waiting if model not in declared]
+    else:  # waiting their turn behind a backlog: looked at now, again a period later
+        behind = [task_id for task_id, model in waiting if task_id in in_broker]
+        Task.objects.filter(id__in=behind, status=Status.QUEUED).update(enqueued_at=now)
+        waiting = [(task_id, model) for task_id, model in waiting if task_id not in in_broker]
+    for task_id, _ in waiting:
         try:
-            _resend_if_lost(task_id, in_broker or set(), now, report)
+            _resend(task_id, now, report)
         except Exception:
             log.exception("Sweeping the queued task %s failed", task_id)
             report.errors.append(task_id)
