@@ -322,6 +322,7 @@ def requeue_failed(task_id: str) -> Task:
     task.status = Status.QUEUED
     task.error = None
     task.completed_at = None
+    task.started_at = None  # a new run: LMSP_MAX_JOB_SECONDS counts from its start
     task.worker = ""
     task.lease_expires_at = None
     task.cancel_requested = False

@@ -75,10 +75,19 @@ class CompiledCache:
     def __len__(self) -> int:
         return len(self._items)
 
+    def clear(self) -> None:
+        self._items.clear()
+        self.bytes = 0
+
 
 _cache = CompiledCache(
     settings.LMSP_GRAMMAR_CACHE_ENTRIES, settings.LMSP_GRAMMAR_CACHE_MB * 1024 * 1024
 )
+
+
+def clear_compiled() -> None:
+    """Forget every compiled grammar (benchmarks time the compile itself)."""
+    _cache.clear()
 
 
 def _compiled(spec: ModelSpec, vocab_size: int, tag: str) -> xgr.CompiledGrammar:
