@@ -18,7 +18,13 @@ def run_task(task_id: str) -> str | None:
 @shared_task(name="workers.tasks.sweep_tasks")
 def sweep_tasks() -> dict:
     report = lifecycle.sweep()
-    return {"requeued": report.requeued, "ended": report.ended, "resent": report.resent}
+    return {
+        "requeued": report.requeued,
+        "ended": report.ended,
+        "resent": report.resent,
+        "failed": report.failed,
+        "errors": report.errors,
+    }
 
 
 @shared_task(name="workers.tasks.prune_events")
