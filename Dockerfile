@@ -12,6 +12,7 @@ COPY . .
 RUN TORCH_INDEX_URL="https://download.pytorch.org/whl/${TORCH}" scripts/install
 ENV PATH=/app/.venv/bin:$PATH
 # The default model, converted once into the image (no hub download at run time).
-RUN python manage.py lmsp_prepare_models
+# A build step, not a service: the built-in secret key is fine for it.
+RUN LMSP_DEVELOPMENT=1 python manage.py lmsp_prepare_models
 RUN useradd --system --create-home lmsp && mkdir -p /data && chown lmsp /data
 USER lmsp

@@ -18,6 +18,7 @@ from lmsp_core.errors import ProblemError, unauthorized
 from .models import RESERVED_SCOPES, SCOPES, ApiToken
 
 TOKEN_PREFIX = "lmsp"
+PREFIX_LENGTH = 12  # hex characters: the public part of a token, as revoke names it
 # last_used_at is written at most this often per token, not on every request.
 LAST_USED_RESOLUTION = timedelta(seconds=60)
 
@@ -58,7 +59,7 @@ def create_token(
 def issue_token(
     *, owner: AbstractBaseUser, scopes: list[str], expires_in: int | None = None, name: str = ""
 ) -> IssuedToken:
-    prefix = secrets.token_hex(6)
+    prefix = secrets.token_hex(PREFIX_LENGTH // 2)
     secret = f"{TOKEN_PREFIX}_{prefix}_{secrets.token_urlsafe(32)}"
     expires_at = timezone.now() + timedelta(seconds=expires_in) if expires_in else None
     token = ApiToken.objects.create(
@@ -73,11 +74,16 @@ def issue_token(
 
 
 def revoke_token(prefix: str) -> int:
-    """Revoke the tokens whose prefix starts with ``prefix``; returns how many."""
-    prefix = prefix.removeprefix(f"{TOKEN_PREFIX}_").split("_", 1)[0]
-    if not prefix:
+    """Revoke the token with this whole prefix (or the whole secret, whose second
+    part is the prefix); returns how many were revoked, 0 or 1.
+
+    Only a whole prefix names a token: a part of one could name several, and
+    an operator revoking one token must never revoke others by accident.
+    """
+    prefix = prefix.strip().removeprefix(f"{TOKEN_PREFIX}_").split("_", 1)[0]
+    if len(prefix) != PREFIX_LENGTH:
         return 0
-    return ApiToken.objects.filter(prefix__startswith=prefix, revoked_at__isnull=True).update(
+    return ApiToken.objects.filter(prefix=prefix, revoked_at__isnull=True).update(
         revoked_at=timezone.now()
     )
 
@@ -99,6 +105,10 @@ def authenticate_bearer(header: str | None) -> ApiToken:
     now = timezone.now()
     if not token.is_active(now):
         raise unauthorized("The bearer token has expired or was revoked.")
+    if not token.owner.is_active:
+        # A deactivated account keeps its tokens (reactivation restores them)
+        # but none of them opens anything meanwhile.
+        raise unauthorized("The account of this bearer token is deactivated.")
     if token.last_used_at is None or now - token.last_used_at > LAST_USED_RESOLUTION:
         ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
     return token

@@ -105,8 +105,7 @@ def generate(
 
 
 def clear_grammar_caches(lm: LoadedModel) -> None:
-    constraints._compiled.cache_clear()
-    constraints._compiler(lm.spec, lm.model.config.vocab_size).clear_cache()
+    constraints.clear_compiled()  # compiles run in a fresh child each time: no other cache
 
 
 def main() -> None:

@@ -48,6 +48,17 @@ def _text_parts(item: dict) -> list[dict]:
     return []
 
 
+def _parse_call(body: str) -> tuple[str, object] | None:
+    """The name and arguments of a call's JSON body; None when it is not one."""
+    try:
+        call = json.loads(body)
+        name = call["name"]
+        arguments = call.get("arguments", {})
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return (name, arguments) if isinstance(name, str) else None
+
+
 class OutputAssembler:
     def __init__(
         self,
@@ -158,15 +169,26 @@ class OutputAssembler:
         return events
 
     def close(self) -> list[tuple[str, dict]]:
-        """Close what is open, keeping any text held back (cancel, failure, limit)."""
+        """Close what is open, keeping any text held back (cancel, failure, limit).
+
+        A tool call the generation stopped inside is kept only if its JSON is
+        already whole (just its closing tag missing); an unfinished one is
+        dropped: its arguments are no JSON a client could run, and its markup
+        is no text for the message. The response's status (``incomplete``,
+        ``cancelled``, ``failed``) says that the output stopped short.
+        """
         s = self._s
         buf, s["buf"] = s["buf"], ""
         mode, s["mode"] = s["mode"], "text"
         if mode == "think":
             events = self._reasoning(buf.rstrip())
         elif mode == "tool":
-            events = self._close_open() + self._tool_call(buf)
+            buf = buf[: len(buf) - _held_back(buf, (TOOL_CLOSE,))]  # a half closing tag
+            whole = _parse_call(buf) is not None
+            events = self._close_open() + (self._tool_call(buf) if whole else [])
         else:
+            if s["tools"]:  # the start of a call's tag, cut before the tag was whole
+                buf = buf[: len(buf) - _held_back(buf, (TOOL_OPEN,))]
             events = self._text(buf)
         return events + self._close_open()
 
@@ -229,15 +251,11 @@ class OutputAssembler:
         return events
 
     def _tool_call(self, body: str) -> list[tuple[str, dict]]:
-        try:
-            call = json.loads(body)
-            name = call["name"]
-            arguments = call.get("arguments", {})
-            if not isinstance(name, str):
-                raise TypeError("name")
-        except (ValueError, KeyError, TypeError):
+        call = _parse_call(body)
+        if call is None:
             # Not a call after all: keep what the model wrote as text.
             return self._text(TOOL_OPEN + body)
+        name, arguments = call
         if not isinstance(arguments, str):
             arguments = protocol.dumps(arguments)
         item = protocol.function_call_item(new_id("fc"), new_id("call"), name, arguments)

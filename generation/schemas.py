@@ -13,35 +13,50 @@ A request's constraint is one structural tag, built from its
 
 Plain text requests need no constraint. The web process checks here that a
 request's schemas compile (``schema_problem``) and the worker compiles the
-same tag against its tokenizer (``workers.constraints``). xgrammar is
-imported only when a schema is checked, so that importing this module (and
-the web process) stays free of it.
+same tag against its tokenizer (``workers.constraints``), both in a child
+process with a time and memory limit (``generation.grammar_limits``), so
+that the web process never imports xgrammar.
 """
 
 from __future__ import annotations
 
 import json
-import re
 
+from . import grammar_limits
 from .output import TOOL_CLOSE, TOOL_OPEN
 from .params import GenerationParams
+from .registry import ModelSpec
 
-# Bounds whitespace between JSON tokens: unbounded whitespace is valid JSON,
-# and small models sampled at a high temperature can loop on it forever.
+# Whitespace between JSON tokens: unbounded whitespace is valid JSON, and
+# small models sampled at a high temperature can loop on it forever.
 MAX_JSON_WHITESPACE = 1
 NO_PARAMETERS = {"type": "object", "properties": {}}
+COMPACT_JSON = grammar_limits.COMPACT_JSON
 
 
 def _json(schema: dict) -> dict:
+    """An answer's JSON: one space at most between tokens, as a person writes it."""
     return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
 
 
+def _compact_json(schema: dict) -> dict:
+    """A call's arguments: compact JSON (``{"city":"Paris"}``), no whitespace at
+    all, so that the model spends no token on it (greedy SmolLM2 writes a
+    one-argument call in 32 tokens, 34 with whitespace allowed; the two tags
+    alone are 10 of them). xgrammar's structural tags cannot say "no
+    whitespace" (``max_whitespace_cnt`` must be positive), so this is our own
+    format, turned into a grammar where xgrammar is loaded
+    (``generation.grammar_limits.resolve_compact_json``)."""
+    return {"type": COMPACT_JSON, "json_schema": schema}
+
+
 def _call(tool: dict) -> dict:
-    """One tool's call in the Hermes format the output parser reads back."""
+    """One tool's call in the Hermes format the output parser reads back, as
+    compact JSON: ``<tool_call>\\n{"name":"f","arguments":{"a":1}}\\n</tool_call>``."""
     return {
         "type": "tag",
-        "begin": f'{TOOL_OPEN}\n{{"name": {json.dumps(tool["name"])}, "arguments": ',
-        "content": _json(tool.get("parameters") or NO_PARAMETERS),
+        "begin": f'{TOOL_OPEN}\n{{"name":{json.dumps(tool["name"])},"arguments":',
+        "content": _compact_json(tool.get("parameters") or NO_PARAMETERS),
         "end": f"}}\n{TOOL_CLOSE}",
     }
 
@@ -69,28 +84,43 @@ def structural_tag(fmt: dict) -> str:
     return json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
 
 
-def _reason(exc: Exception) -> str:
-    # xgrammar prefixes its messages with a time and a C++ source location.
-    text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip())
-    return text.splitlines()[0] if text else exc.__class__.__name__
+def grammar_limits_from_settings() -> grammar_limits.Limits:
+    from django.conf import settings
+
+    return grammar_limits.Limits(
+        seconds=settings.LMSP_GRAMMAR_TIMEOUT_SECONDS, memory_mb=settings.LMSP_GRAMMAR_MEMORY_MB
+    )
 
 
-def schema_problem(params: GenerationParams) -> tuple[str, str] | None:
-    """The first schema of a request xgrammar cannot compile, as (param, reason).
+def schema_problem(
+    params: GenerationParams, spec: ModelSpec | None = None
+) -> tuple[str, str] | None:
+    """The first schema of a request that cannot be compiled, as (param, reason):
+    one xgrammar refuses, or one that needs more than ``LMSP_GRAMMAR_TIMEOUT_SECONDS``
+    or ``LMSP_GRAMMAR_MEMORY_MB`` to compile.
 
-    Checked in the web process, with no tokenizer: turning a schema into a
-    grammar is where schemas fail; the worker then compiles the same text.
+    Checked in the web process, in a child process (``generation.grammar_limits``)
+    so that a hostile schema costs the web nothing but the wait. With the
+    model's ``spec`` each schema is compiled against its tokenizer, as the
+    worker will (that is where the costly compiles are); without one, only
+    the grammar is built.
     """
-    import xgrammar as xgr
-
     schemas: list[tuple[str, dict]] = []
     if params.json_schema is not None:
         schemas.append(("response_format.json_schema.schema", _json(params.json_schema)))
     for index, tool in enumerate(params.tools):
         schemas.append((f"tools[{index}].parameters", _call(tool)))
-    for param, fmt in schemas:
-        try:
-            xgr.Grammar.from_structural_tag(structural_tag(fmt))
-        except (RuntimeError, ValueError) as exc:
-            return param, f"The schema in {param} cannot be compiled: {_reason(exc)}"
+    if not schemas:
+        return None
+    info = None
+    if spec is not None:
+        from .weights import weights_folder
+
+        info = grammar_limits.tokenizer_info(str(weights_folder(spec)))
+    tags = [structural_tag(fmt) for _, fmt in schemas]
+    try:
+        grammar_limits.compile_tags(tags, info, grammar_limits_from_settings())
+    except grammar_limits.GrammarError as exc:
+        param = schemas[exc.index][0]
+        return param, f"The schema in {param} cannot be compiled: {exc.reason}."
     return None

@@ -151,7 +151,8 @@ def main(argv: list[str]) -> int:
     with services() as extra:
         # Procfile commands run through a shell: find this interpreter's tools first.
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-        env = {**os.environ, **extra, "PATH": path}
+        # A development run: the built-in secret key is allowed (lmsp_project.env).
+        env = {**os.environ, **extra, "PATH": path, "LMSP_DEVELOPMENT": "1"}
         if argv[0] == "serve":
             return serve(env, extra)
         return subprocess.run(

@@ -21,11 +21,27 @@ def env_bool(name: str, default: bool) -> bool:
     return value.strip().lower() in {"1", "true", "yes", "on"}
 
 
-def database_from_url(url: str) -> dict:
+def check_secret_key(key: str, builtin: str, *, debug: bool, development: bool) -> None:
+    """Refuse to start a production run (DEBUG off) with the key everyone knows:
+    it signs the admin's sessions. A development run says so explicitly
+    (``LMSP_DEVELOPMENT=1``), as scripts/serve and scripts/test do."""
+    if key == builtin and not debug and not development:
+        from django.core.exceptions import ImproperlyConfigured
+
+        raise ImproperlyConfigured(
+            "LMSP_SECRET_KEY is not set and LMSP_DEBUG is off: set LMSP_SECRET_KEY to a long "
+            "random value, or LMSP_DEVELOPMENT=1 for a development run with the built-in key."
+        )
+
+
+def database_from_url(url: str, pool_size: int = 0) -> dict:
     """Django DATABASES entry for a ``postgresql://`` URL.
 
     A ``host`` query parameter names a unix socket folder, as libpq allows
-    and as the embedded pgserver hands out.
+    and as the embedded pgserver hands out. With ``pool_size`` > 0 the
+    connections come from psycopg's pool (Django 5.1+): closing one, as
+    ``lmsp_core.http.db_call`` and Celery do after each unit of work, hands it
+    back to the pool instead of ending it.
     """
     parts = urlsplit(url)
     if parts.scheme not in {"postgres", "postgresql"}:
@@ -39,6 +55,8 @@ def database_from_url(url: str) -> dict:
         "PASSWORD": unquote(parts.password or ""),
         "HOST": host,
         "PORT": str(parts.port or ""),
-        "CONN_MAX_AGE": 0,
-        "OPTIONS": {},
+        "CONN_MAX_AGE": 0,  # the pool keeps connections; Django must not as well
+        "OPTIONS": (
+            {"pool": {"min_size": 1, "max_size": pool_size, "timeout": 30}} if pool_size else {}
+        ),
     }

@@ -4,7 +4,7 @@ import os
 from pathlib import Path
 
 from . import localservices
-from .env import database_from_url, env_bool, env_float, env_int
+from .env import check_secret_key, database_from_url, env_bool, env_float, env_int
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("LMSP_DATA_DIR", BASE_DIR / ".data"))
@@ -16,8 +16,14 @@ _RUNNING = (
     else localservices.recorded(DATA_DIR)
 )
 
-SECRET_KEY = os.environ.get("LMSP_SECRET_KEY", "dev-only-insecure-key-change-me")
+BUILTIN_SECRET_KEY = "dev-only-insecure-key-change-me"
+SECRET_KEY = os.environ.get("LMSP_SECRET_KEY", BUILTIN_SECRET_KEY)
 DEBUG = env_bool("LMSP_DEBUG", False)
+# A development run may use the built-in key; anything else must bring its own
+# (sessions, admin, CSRF). Running on this checkout's embedded services (no
+# DATABASE_URL) is one; LMSP_DEVELOPMENT=1 says so against an outside database.
+LMSP_DEVELOPMENT = env_bool("LMSP_DEVELOPMENT", False) or not os.environ.get("DATABASE_URL")
+check_secret_key(SECRET_KEY, BUILTIN_SECRET_KEY, debug=DEBUG, development=LMSP_DEVELOPMENT)
 ALLOWED_HOSTS = os.environ.get("LMSP_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver").split(",")
 
 INSTALLED_APPS = [
@@ -69,10 +75,15 @@ TEMPLATES = [
     },
 ]
 
+# Connections per process in psycopg's pool (0: one connection per request,
+# closed after it): the async views' db_call and the worker's lease thread
+# hand theirs back after each short call instead of reconnecting.
+LMSP_DB_POOL_SIZE = env_int("LMSP_DB_POOL_SIZE", 10)
 DATABASES = {
     "default": database_from_url(
         os.environ.get("DATABASE_URL")
-        or _RUNNING.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/lmsp")
+        or _RUNNING.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/lmsp"),
+        pool_size=LMSP_DB_POOL_SIZE,
     )
 }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
@@ -142,6 +153,18 @@ LMSP_EVENT_RETENTION_SECONDS = env_int("LMSP_EVENT_RETENTION_SECONDS", 86_400)
 LMSP_TASK_RETENTION_SECONDS = env_int("LMSP_TASK_RETENTION_SECONDS", 30 * 86_400)
 LMSP_PRUNE_INTERVAL_SECONDS = env_float("LMSP_PRUNE_INTERVAL_SECONDS", 300.0)
 LMSP_IDEMPOTENCY_TTL_SECONDS = env_int("LMSP_IDEMPOTENCY_TTL_SECONDS", 86_400)
+# A claimed key whose request started no task this long after is taken over
+# by the next request with it (its first request died); above the longest
+# acceptance, grammar check included.
+LMSP_IDEMPOTENCY_TAKEOVER_SECONDS = env_float("LMSP_IDEMPOTENCY_TAKEOVER_SECONDS", 10.0)
+# Compiling a request's grammar (web check and worker) runs in a child process
+# with these limits; a schema beyond them is refused (400 invalid_request).
+LMSP_GRAMMAR_TIMEOUT_SECONDS = env_float("LMSP_GRAMMAR_TIMEOUT_SECONDS", 5.0)
+LMSP_GRAMMAR_MEMORY_MB = env_int("LMSP_GRAMMAR_MEMORY_MB", 1024)
+# Compiled grammars a worker keeps per model, and the bytes xgrammar's own
+# compiler cache may hold.
+LMSP_GRAMMAR_CACHE_ENTRIES = env_int("LMSP_GRAMMAR_CACHE_ENTRIES", 64)
+LMSP_GRAMMAR_CACHE_MB = env_int("LMSP_GRAMMAR_CACHE_MB", 256)
 # Queued tasks per model above which new work is refused with 503 overloaded.
 LMSP_MAX_QUEUED_PER_MODEL = env_int("LMSP_MAX_QUEUED_PER_MODEL", 1000)
 # The longest a single generation may run; the broker's visibility timeout is

@@ -76,12 +76,18 @@ def _data_frame(data: dict | str) -> bytes:
 
 
 async def _submitted(
-    owner: AbstractBaseUser, validated: dict, kind: str, key: str | None, param_of: ParamMap
+    owner: AbstractBaseUser,
+    validated: dict,
+    kind: str,
+    key: str | None,
+    param_of: ParamMap,
+    stream: bool,
 ) -> Task:
     with named_as_sent(param_of):
         start = db_call(submit, owner, validated, kind=kind, idempotency_key=key)
-        if kind == TaskKind.DIRECT:
-            return await direct.accepted(start)  # cancelled if the client leaves
+        if kind == TaskKind.DIRECT:  # cancelled if the client leaves (direct's rules)
+            leave = direct.cancels_if_left(key, stream)
+            return await direct.accepted(start, leave)
         return await start
 
 
@@ -95,7 +101,9 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     translated = chat.lmsp_request(json_body(request))
     with named_as_sent(translated.param_of):
         validated = validate_response_request(translated.request)
-    task = await _submitted(token.owner, validated, TaskKind.DIRECT, key, translated.param_of)
+    task = await _submitted(
+        token.owner, validated, TaskKind.DIRECT, key, translated.param_of, translated.stream
+    )
     if translated.stream:
         chunks = chat.ChunkTranslator(
             task.response_id,
@@ -103,16 +111,18 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
             validated["model"],
             translated.include_usage,
         )
-        return _event_stream(_chat_frames(task.id, chunks))
-    result = await direct.final_result(task.id)
+        return _event_stream(_chat_frames(task, direct.cancels_if_left(key, True), chunks))
+    result = await direct.final_result(task, direct.cancels_if_left(key, False))
     if result["status"] == "failed":
         raise _failed(result)
     return JsonResponse(chat.completion(result))
 
 
-async def _chat_frames(task_id: str, chunks: chat.ChunkTranslator) -> AsyncIterator[bytes]:
+async def _chat_frames(
+    task: Task, cancel_if_left: bool, chunks: chat.ChunkTranslator
+) -> AsyncIterator[bytes]:
     failed = False
-    async with aclosing(direct.delivered_events(task_id)) as events:
+    async with aclosing(direct.delivered_events(task, cancel_if_left)) as events:
         async for event in events:
             if event is None:
                 yield KEEPALIVE_FRAME
@@ -180,18 +190,22 @@ async def create_response(request: HttpRequest) -> HttpResponse:
     with named_as_sent(translated.param_of):
         validated = validate_response_request(translated.request)
     kind = TaskKind.TASK if translated.background else TaskKind.DIRECT
-    task = await _submitted(token.owner, validated, kind, key, translated.param_of)
+    task = await _submitted(
+        token.owner, validated, kind, key, translated.param_of, translated.stream
+    )
     if translated.stream:
         translator = await db_call(_translator, task.id)
         events = (
-            follow_events(task.id, 0) if translated.background else direct.delivered_events(task.id)
+            follow_events(task.id, 0)
+            if translated.background
+            else direct.delivered_events(task, direct.cancels_if_left(key, True))
         )
         return _event_stream(_response_frames(events, translator))
     if translated.background:
         return JsonResponse(await db_call(_openai_response, task.id))
     # read before the answer is delivered: a store: false response is then gone
     _, params, _, _ = await db_call(_snapshot, task.id)
-    result = await direct.final_result(task.id)
+    result = await direct.final_result(task, direct.cancels_if_left(key, False))
     if result["status"] == "failed":
         raise _failed(result)
     return JsonResponse(responses.response_object(result, params, background=False))

@@ -1,8 +1,12 @@
 """Following a direct generation for the client of one HTTP request.
 
 A direct response (``TaskKind.DIRECT``) belongs to its connection: if the
-client goes away before the answer is delivered, the generation is cancelled;
-once it is delivered, a ``store: false`` answer is discarded. Every endpoint
+client goes away before the answer is delivered, the generation is cancelled
+(``cancel_if_left``), unless nobody but this client could want it: a replay
+of an idempotent request never cancels (the first request owns the
+generation), nor does a keyed synchronous request, whose retry with the same
+key is to get the answer. Once delivered, a ``store: false`` answer is
+discarded. Every endpoint
 that answers directly (LMSP's ``POST /responses`` and the OpenAI-compatible
 routes) goes through these functions, whatever shape it sends.
 """
@@ -23,22 +27,35 @@ from tasks_app.streams import follow_events
 from . import records
 
 
-async def accepted(start: Awaitable[Task]) -> Task:
-    """Start a generation even if the client leaves meanwhile, and then stop it:
-    the database work cannot be interrupted halfway, and nobody would read
-    what it generates."""
+def cancels_if_left(idempotency_key: str | None, stream: bool) -> bool:
+    """Whether a client that leaves before its answer takes the generation with it:
+    yes, unless its request is keyed and synchronous (the retry gets the answer)."""
+    return idempotency_key is None or stream
+
+
+async def accepted(start: Awaitable[Task], cancel_if_left: bool) -> Task:
+    """Start a generation even if the client leaves meanwhile, and then stop it
+    (when ``cancel_if_left``): the database work cannot be interrupted halfway,
+    and nobody would read what it generates."""
     started = asyncio.ensure_future(start)
     try:
         return await asyncio.shield(started)
     except asyncio.CancelledError:
-        started.add_done_callback(_cancel_orphan)
+        if cancel_if_left:
+            started.add_done_callback(_cancel_orphan)
         raise
 
 
 def _cancel_orphan(started: asyncio.Future) -> None:
     if started.cancelled() or started.exception() is not None:
         return
-    asyncio.ensure_future(db_call(task_services.cancel_abandoned, started.result().id))
+    task = started.result()
+    if not getattr(task, "replayed", False):  # a replay's generation is the first request's
+        asyncio.ensure_future(db_call(task_services.cancel_abandoned, task.id))
+
+
+def _leaving(task: Task, cancel_if_left: bool) -> bool:
+    return cancel_if_left and not getattr(task, "replayed", False)
 
 
 def _delivered_result(task_id: str) -> dict:
@@ -48,31 +65,34 @@ def _delivered_result(task_id: str) -> dict:
     return body
 
 
-async def final_result(task_id: str) -> dict:
+async def final_result(task: Task, cancel_if_left: bool) -> dict:
     """Wait for the end of a direct generation and return its response object
-    (LMSP's shape, whatever its status); cancel it if the client leaves first."""
+    (LMSP's shape, whatever its status); cancel it if the client leaves first
+    (``cancel_if_left``, and not a replay)."""
     try:
-        async with aclosing(follow_events(task_id, 0)) as events:
+        async with aclosing(follow_events(task.id, 0)) as events:
             async for _ in events:
                 pass
     except asyncio.CancelledError:
-        await asyncio.shield(db_call(task_services.cancel_abandoned, task_id))
+        if _leaving(task, cancel_if_left):
+            await asyncio.shield(db_call(task_services.cancel_abandoned, task.id))
         raise
-    return await db_call(_delivered_result, task_id)
+    return await db_call(_delivered_result, task.id)
 
 
-async def delivered_events(task_id: str) -> AsyncIterator[StoredEvent | None]:
+async def delivered_events(task: Task, cancel_if_left: bool) -> AsyncIterator[StoredEvent | None]:
     """The events of a direct generation from the first (``None``: time for a
     keep-alive); the generation is cancelled if the stream is not read to the
-    end, and the answer discarded once it is, unless it was stored."""
+    end (``cancel_if_left``, and not a replay), and the answer discarded once
+    it is, unless it was stored."""
     delivered = False
     try:
-        async with aclosing(follow_events(task_id, 0)) as events:
+        async with aclosing(follow_events(task.id, 0)) as events:
             async for event in events:
                 yield event
         delivered = True
     finally:
         if delivered:
-            await db_call(records.discard_unneeded, delivered_task_id=task_id)
-        else:  # the client went away mid-stream
-            await asyncio.shield(db_call(task_services.cancel_abandoned, task_id))
+            await db_call(records.discard_unneeded, delivered_task_id=task.id)
+        elif _leaving(task, cancel_if_left):  # the client went away mid-stream
+            await asyncio.shield(db_call(task_services.cancel_abandoned, task.id))

@@ -84,7 +84,7 @@ def prepare_generation(
             param=at("input"),
         )
     # Compiling the grammar is the costly check: only for a request that fits.
-    unusable = schema_problem(params)
+    unusable = schema_problem(params, spec)
     if unusable is not None:
         raise ProblemError("invalid_request", unusable[1], param=at(unusable[0]))
     wanted = request.get("max_output_tokens", spec.max_output_tokens)

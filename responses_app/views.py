@@ -15,7 +15,7 @@ from lmsp_core import protocol
 from lmsp_core.errors import ProblemError
 from lmsp_core.http import check_method, cpu_call, csrf_free, db_call, json_body
 from tasks_app import idempotency
-from tasks_app.models import TaskKind
+from tasks_app.models import Task, TaskKind
 from tasks_app.streams import SSE_HEADERS, lmsp_frame
 
 from . import direct
@@ -58,20 +58,22 @@ async def create_response(request: HttpRequest) -> HttpResponse:
     """POST /lmsp/v1/responses: a synchronous answer or a direct event stream.
 
     The generation runs on a worker either way; this view follows its event
-    log. If the client goes away first, the generation is cancelled.
+    log. If the client goes away first, the generation is cancelled, unless
+    nobody but this client could want it (``direct.cancels_if_left``).
     """
     check_method(request, ("POST",))
     token = await authenticate(request, "responses:write")
     key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
     body = await cpu_call(_validated_body, request)
+    leave = direct.cancels_if_left(key, body["stream"])
     task = await direct.accepted(
-        db_call(submit, token.owner, body, kind=TaskKind.DIRECT, idempotency_key=key)
+        db_call(submit, token.owner, body, kind=TaskKind.DIRECT, idempotency_key=key), leave
     )
     if body["stream"]:
         return StreamingHttpResponse(
-            _direct_stream(task.id), content_type="text/event-stream", headers=SSE_HEADERS
+            _direct_stream(task, leave), content_type="text/event-stream", headers=SSE_HEADERS
         )
-    return _final_answer(await direct.final_result(task.id))
+    return _final_answer(await direct.final_result(task, leave))
 
 
 def _validated_body(request: HttpRequest) -> dict:
@@ -80,7 +82,7 @@ def _validated_body(request: HttpRequest) -> dict:
     return validate_response_request(json_body(request))
 
 
-async def _direct_stream(task_id: str):  # noqa: ANN202
-    async with aclosing(direct.delivered_events(task_id)) as events:
+async def _direct_stream(task: Task, cancel_if_left: bool):  # noqa: ANN202
+    async with aclosing(direct.delivered_events(task, cancel_if_left)) as events:
         async for event in events:
             yield lmsp_frame(event)

@@ -1,5 +1,12 @@
 """Idempotency keys (contract section 3): a retried POST never starts a
-second generation."""
+second generation.
+
+A key is claimed (a row without a task) before the request is prepared, and
+the claim gets its task in the same transaction that stores the task. A
+claim whose request died in between is taken over after
+``LMSP_IDEMPOTENCY_TAKEOVER_SECONDS``, so a crash never blocks a key for its
+whole TTL.
+"""
 
 from __future__ import annotations
 
@@ -42,36 +49,92 @@ def _expiry_cutoff() -> timezone.datetime:
     return timezone.now() - timedelta(seconds=settings.LMSP_IDEMPOTENCY_TTL_SECONDS)
 
 
+class _ClaimLost(Exception):
+    """Our claim was taken over while we were starting: undo what we started."""
+
+
+def _in_use(key: str) -> ProblemError:
+    return ProblemError(
+        "idempotency_key_in_use",
+        f"A request with {HEADER} {key!r} is still being accepted; retry shortly.",
+        param=HEADER,
+        headers={"Retry-After": "1"},
+    )
+
+
+def _claim(owner: AbstractBaseUser, key: str, print_: str) -> IdempotencyKey | Task:
+    """Our claim on the key, or the task an earlier request started with it.
+
+    A claim without a task older than ``LMSP_IDEMPOTENCY_TAKEOVER_SECONDS``
+    belongs to a request that died before it could start anything (a killed
+    process, a lost database connection): the next request takes it over,
+    whatever its body, since nothing was accepted under the key. Its
+    ``created_at`` is the claim's fence: the first request, should it still
+    be alive, finds it changed and gives up what it started.
+    """
+    for _ in range(5):  # each turn loses a race to a request that then went away
+        try:
+            with transaction.atomic():
+                return IdempotencyKey.objects.create(owner=owner, key=key, fingerprint=print_)
+        except IntegrityError:
+            pass
+        existing = (
+            IdempotencyKey.objects.select_related("task__response")
+            .filter(owner=owner, key=key)
+            .first()
+        )
+        if existing is None:
+            continue  # the other claim was given up meanwhile: try ours again
+        if existing.task is not None:
+            if existing.fingerprint != print_:
+                raise ProblemError(
+                    "idempotency_key_reused",
+                    f"{HEADER} {key!r} was already used with a different request.",
+                    param=HEADER,
+                )
+            existing.task.replayed = True
+            return existing.task
+        takeover = timezone.now() - timedelta(seconds=settings.LMSP_IDEMPOTENCY_TAKEOVER_SECONDS)
+        if existing.created_at >= takeover:
+            if existing.fingerprint != print_:
+                raise ProblemError(
+                    "idempotency_key_reused",
+                    f"{HEADER} {key!r} is in use by a different request.",
+                    param=HEADER,
+                )
+            raise _in_use(key)
+        now = timezone.now()
+        taken = IdempotencyKey.objects.filter(
+            pk=existing.pk, task__isnull=True, created_at=existing.created_at
+        ).update(created_at=now, fingerprint=print_)
+        if taken:
+            existing.created_at, existing.fingerprint = now, print_
+            return existing
+    raise _in_use(key)
+
+
 def start_once(owner: AbstractBaseUser, key: str, print_: str, start: Callable[[], Task]) -> Task:
     """The task for this key: started now by ``start`` or found from an earlier
-    request."""
+    request; a found one has ``replayed`` set (its first request owns it: a
+    replay must never cancel it)."""
     IdempotencyKey.objects.filter(owner=owner, key=key, created_at__lt=_expiry_cutoff()).delete()
-    try:
-        with transaction.atomic():
-            claim = IdempotencyKey.objects.create(owner=owner, key=key, fingerprint=print_)
-    except IntegrityError:
-        existing = IdempotencyKey.objects.select_related("task__response").get(owner=owner, key=key)
-        if existing.fingerprint != print_:
-            raise ProblemError(
-                "idempotency_key_reused",
-                f"{HEADER} {key!r} was already used with a different request.",
-                param=HEADER,
-            ) from None
-        if existing.task is None:
-            raise ProblemError(
-                "idempotency_key_in_use",
-                f"A request with {HEADER} {key!r} is still being accepted; retry shortly.",
-                param=HEADER,
-                headers={"Retry-After": "1"},
-            ) from None
-        return existing.task
+    claim = _claim(owner, key, print_)
+    if isinstance(claim, Task):
+        return claim
+    ours = IdempotencyKey.objects.filter(
+        pk=claim.pk, task__isnull=True, created_at=claim.created_at
+    )
     try:
         with transaction.atomic():
             task = start()
-            IdempotencyKey.objects.filter(pk=claim.pk).update(task=task)
+            if not ours.update(task=task):
+                raise _ClaimLost
+    except _ClaimLost:
+        raise _in_use(key) from None  # a takeover went on with the key; this one stops
     except BaseException:
-        claim.delete()  # refused or failed: the key is free again
+        ours.delete()  # refused or failed: the key is free again
         raise
+    task.replayed = False
     return task
 
 

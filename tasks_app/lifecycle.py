@@ -5,7 +5,7 @@ write of a worker goes through ``record_progress`` or ``finish``, which lock
 the task row and check that the worker's attempt is still the current one,
 so a worker presumed dead (its lease expired and the task was handed on)
 can never add to the log again. The sweeper hands on expired leases and
-re-sends queued tasks whose broker message was lost.
+re-sends queued tasks whose broker message was lost (``tasks_app.broker``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from lmsp_core.errors import ProblemError, problem
 from lmsp_core.status import Status
 from lmsp_project.celery import app as celery_app
 
+from . import broker
 from .event_log import EventLog
 from .models import Event, Task, TokenChunk, UsageRecord
 from .signals import task_finished, task_reopened
@@ -224,43 +225,117 @@ class SweepReport:
     requeued: list[str] = field(default_factory=list)
     ended: list[str] = field(default_factory=list)  # failed (worker_lost) or cancelled
     resent: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)  # their model is no longer declared
+    errors: list[str] = field(default_factory=list)  # raised while swept; tried again next time
+
+
+def model_gone_problem(model: str) -> dict:
+    """The error of a task whose model was removed from ``models.toml`` while
+    the task waited: no worker will ever serve it."""
+    return problem(
+        "generation_failed",
+        f"The model {model!r} is no longer served here (it was removed from the model "
+        "registry); the task cannot run.",
+        model=model,
+    )
+
+
+def _queue_of(task: Task) -> str | None:
+    spec = declared_models().get(task.model)
+    return spec.queue if spec is not None else None
+
+
+def _fail_model_gone(task: Task) -> None:
+    """Fail a locked task whose model is gone, keeping what it generated."""
+    log.warning("Task %s needs the model %r, which is gone; failing it", task.id, task.model)
+    _finalize(task, *_partial_outcome(task, Status.FAILED, model_gone_problem(task.model)))
+
+
+def _sweep_expired(task_id: str, now: timezone.datetime, report: SweepReport) -> None:
+    with transaction.atomic():
+        task = Task.objects.select_for_update().select_related("response").get(id=task_id)
+        if task.status != Status.IN_PROGRESS or task.lease_expires_at >= now:
+            return
+        if task.cancel_requested:
+            _finalize(task, *_partial_outcome(task, Status.CANCELLED))
+            report.ended.append(task.id)
+        elif task.attempt >= settings.LMSP_MAX_ATTEMPTS:
+            error = problem(
+                "worker_lost",
+                f"The worker running this task was lost {task.attempt} times; giving up.",
+            )
+            _finalize(task, *_partial_outcome(task, Status.FAILED, error))
+            report.ended.append(task.id)
+        elif (queue := _queue_of(task)) is None:
+            _fail_model_gone(task)
+            report.failed.append(task.id)
+        else:
+            log.warning("Lease of %s (attempt %s) expired; re-queueing", task.id, task.attempt)
+            task.status = Status.QUEUED
+            task.worker = ""
+            task.lease_expires_at = None
+            task.enqueued_at = now
+            task.save(update_fields=["status", "worker", "lease_expires_at", "enqueued_at"])
+            enqueue_on_commit(task, queue)
+            report.requeued.append(task.id)
+
+
+def _resend(task_id: str, now: timezone.datetime, report: SweepReport) -> None:
+    """Send a still queued task's job again (its message is gone), or fail it
+    when its model is."""
+    with transaction.atomic():
+        task = Task.objects.select_for_update().select_related("response").get(id=task_id)
+        if task.status != Status.QUEUED:
+            return
+        queue = _queue_of(task)
+        if queue is None:
+            _fail_model_gone(task)
+            report.failed.append(task.id)
+            return
+        task.enqueued_at = now  # sent now: the next look is a full period away
+        task.save(update_fields=["enqueued_at"])
+    send_job(task.id, queue)
+    report.resent.append(task.id)
 
 
 def sweep() -> SweepReport:
-    """Hand on tasks whose worker stopped renewing its lease; re-send lost messages."""
+    """Hand on tasks whose worker stopped renewing its lease; re-send the jobs
+    of queued tasks whose broker message is gone.
+
+    Each task is swept on its own: one that raises is logged and left for the
+    next sweep, and the others go on. A task whose model was removed from the
+    registry fails with ``generation_failed`` (``model_gone_problem``).
+    """
     report = SweepReport()
     now = timezone.now()
     expired = Task.objects.filter(status=Status.IN_PROGRESS, lease_expires_at__lt=now)
     for task_id in expired.values_list("id", flat=True):
-        with transaction.atomic():
-            task = Task.objects.select_for_update().select_related("response").get(id=task_id)
-            if task.status != Status.IN_PROGRESS or task.lease_expires_at >= now:
-                continue
-            if task.cancel_requested:
-                _finalize(task, *_partial_outcome(task, Status.CANCELLED))
-                report.ended.append(task.id)
-            elif task.attempt >= settings.LMSP_MAX_ATTEMPTS:
-                error = problem(
-                    "worker_lost",
-                    f"The worker running this task was lost {task.attempt} times; giving up.",
-                )
-                _finalize(task, *_partial_outcome(task, Status.FAILED, error))
-                report.ended.append(task.id)
-            else:
-                log.warning("Lease of %s (attempt %s) expired; re-queueing", task.id, task.attempt)
-                task.status = Status.QUEUED
-                task.worker = ""
-                task.lease_expires_at = None
-                task.enqueued_at = now
-                task.save(update_fields=["status", "worker", "lease_expires_at", "enqueued_at"])
-                enqueue_on_commit(task, declared_models()[task.model].queue)
-                report.requeued.append(task.id)
+        try:
+            _sweep_expired(task_id, now, report)
+        except Exception:
+            log.exception("Sweeping the expired lease of %s failed", task_id)
+            report.errors.append(task_id)
     stale = now - timedelta(seconds=settings.LMSP_REQUEUE_AFTER_SECONDS)
-    lost = Task.objects.filter(status=Status.QUEUED, enqueued_at__lt=stale)
-    for task in lost.only("id", "model"):
-        Task.objects.filter(id=task.id, status=Status.QUEUED).update(enqueued_at=now)
-        send_job(task.id, declared_models()[task.model].queue)
-        report.resent.append(task.id)
+    waiting = list(
+        Task.objects.filter(status=Status.QUEUED, enqueued_at__lt=stale).values_list("id", "model")
+    )
+    if not waiting:
+        return report
+    queues = {spec.queue for spec in declared_models().values()}
+    in_broker = broker.task_ids_in_broker(queues)
+    declared = declared_models()
+    if in_broker is None:  # the broker cannot be read: nothing is known lost, nor sendable
+        waiting = [(task_id, model) for task_id, model in waiting if model not in declared]
+    else:  # waiting their turn behind a backlog: looked at now, again a period later
+        behind = [task_id for task_id, model in waiting if task_id in in_broker]
+        Task.objects.filter(id__in=behind, status=Status.QUEUED).update(enqueued_at=now)
+        waiting = [(task_id, model) for task_id, model in waiting if task_id not in in_broker]
+    for task_id, _ in waiting:
+        try:
+            _resend(task_id, now, report)
+        except Exception:
+            log.exception("Sweeping the queued task %s failed", task_id)
+            report.errors.append(task_id)
     return report
 
 
@@ -280,10 +355,14 @@ def requeue_failed(task_id: str) -> Task:
             "invalid_request",
             f"Task {task.id} is {task.status}; only a failed task can be re-queued.",
         )
+    queue = _queue_of(task)
+    if queue is None:
+        raise ProblemError("invalid_request", model_gone_problem(task.model)["detail"])
     EventLog.append(task, [protocol.created_event(task.response_id)])
     task.status = Status.QUEUED
     task.error = None
     task.completed_at = None
+    task.started_at = None  # a new run: LMSP_MAX_JOB_SECONDS counts from its start
     task.worker = ""
     task.lease_expires_at = None
     task.cancel_requested = False
@@ -292,5 +371,5 @@ def requeue_failed(task_id: str) -> Task:
     task.save()
     TokenChunk.objects.filter(task=task).delete()
     task_reopened.send(sender=Task, task=task)
-    enqueue_on_commit(task, declared_models()[task.model].queue)
+    enqueue_on_commit(task, queue)
     return task

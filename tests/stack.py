@@ -102,6 +102,7 @@ class Stack:
             "DATABASE_URL": database_url(db),
             "REDIS_URL": redis_url,
             "PYTHONUNBUFFERED": "1",
+            "LMSP_DEVELOPMENT": "1",  # the built-in secret key is fine for tests
         }
         python = sys.executable
         self.web = Proc(

@@ -49,7 +49,7 @@ def message(role: str, text: str) -> dict:
 
 
 def call_text(name: str, arguments: dict) -> str:
-    body = json.dumps({"name": name, "arguments": arguments})
+    body = json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"))
     return f"<tool_call>\n{body}\n</tool_call>"
 
 
@@ -140,7 +140,7 @@ def test_auto_allows_text_and_constrains_a_call_once_started(lm):
     assert accepts(lm, params, "It is probably sunny.")
     call = call_text("get_weather", {"city": "Oslo", "unit": "celsius"})
     assert accepts(lm, params, f"Let me look that up.\n{call}")
-    assert not accepts(lm, params, '<tool_call>\n{"name": "get_weather", "arguments": {}}')
+    assert not accepts(lm, params, '<tool_call>\n{"name":"get_weather","arguments":{}}')
     assert not accepts(lm, params, "<tool_call>\nI changed my mind.")
 
 

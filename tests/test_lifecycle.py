@@ -109,14 +109,6 @@ def test_a_generation_error_fails_the_task_with_a_problem():
     assert events_of(task)[-1][1] == "response.failed"
 
 
-def test_lost_broker_messages_are_sent_again(settings):
-    task = new_task()
-    Task.objects.filter(id=task.id).update(enqueued_at=timezone.now() - timedelta(hours=1))
-    assert lifecycle.sweep().resent == [task.id]
-    assert Task.objects.get(id=task.id).enqueued_at > timezone.now() - timedelta(minutes=1)
-    assert lifecycle.sweep().resent == []  # not again until it is stale once more
-
-
 def test_a_full_queue_refuses_new_work_with_503(settings, client):
     settings.LMSP_MAX_QUEUED_PER_MODEL = 1
     new_task()

@@ -2,7 +2,8 @@
 
 The structural tag a request's output must match is built in
 ``generation.schemas``; here it is compiled against the model's tokenizer
-(cached) and applied while decoding. Plain text requests need no
+(in a child process with a time and memory limit, then kept in a cache
+bounded in entries and bytes) and applied while decoding. Plain text requests need no
 constraint: no logits processor, and the model alone decides when it has
 finished.
 
@@ -14,30 +15,96 @@ constrained answer cannot end invalid, only be cut by the token limit.
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 import xgrammar as xgr
+from django.conf import settings
 from transformers import LogitsProcessor
 
+from generation import grammar_limits
 from generation.params import GenerationParams
 from generation.registry import ModelSpec
-from generation.schemas import grammar_format, structural_tag
+from generation.schemas import grammar_format, grammar_limits_from_settings, structural_tag
 
 from .loading import LoadedModel, load_tokenizer
 
-# --- compiling (cached per tokenizer and grammar) ----------------------------------
+# --- compiling (in a child with limits; cached per tokenizer and grammar) ----------
 
 
 @functools.cache
-def _compiler(spec: ModelSpec, vocab_size: int) -> xgr.GrammarCompiler:
-    info = xgr.TokenizerInfo.from_huggingface(load_tokenizer(spec), vocab_size=vocab_size)
-    return xgr.GrammarCompiler(info)
+def _tokenizer_info(spec: ModelSpec, vocab_size: int) -> xgr.TokenizerInfo:
+    return xgr.TokenizerInfo.from_huggingface(load_tokenizer(spec), vocab_size=vocab_size)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.cache
+def _tokenizer_info_json(spec: ModelSpec, vocab_size: int) -> str:
+    return _tokenizer_info(spec, vocab_size).serialize_json()
+
+
+class CompiledCache:
+    """Compiled grammars by tag, least recently used first out, bounded both in
+    entries and in the bytes xgrammar reports for them: one grammar for a big
+    schema can take many megabytes, and every distinct schema adds one."""
+
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._items: OrderedDict[tuple, tuple[xgr.CompiledGrammar, int]] = OrderedDict()
+        self.bytes = 0
+
+    def get(self, key: tuple) -> xgr.CompiledGrammar | None:
+        hit = self._items.get(key)
+        if hit is None:
+            return None
+        self._items.move_to_end(key)
+        return hit[0]
+
+    def put(self, key: tuple, grammar: xgr.CompiledGrammar) -> None:
+        size = int(grammar.memory_size_bytes)
+        if key in self._items:
+            self.bytes -= self._items.pop(key)[1]
+        self._items[key] = (grammar, size)
+        self.bytes += size
+        while len(self._items) > 1 and (
+            len(self._items) > self.max_entries or self.bytes > self.max_bytes
+        ):
+            self.bytes -= self._items.popitem(last=False)[1][1]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def clear(self) -> None:
+        self._items.clear()
+        self.bytes = 0
+
+
+_cache = CompiledCache(
+    settings.LMSP_GRAMMAR_CACHE_ENTRIES, settings.LMSP_GRAMMAR_CACHE_MB * 1024 * 1024
+)
+
+
+def clear_compiled() -> None:
+    """Forget every compiled grammar (benchmarks time the compile itself)."""
+    _cache.clear()
+
+
 def _compiled(spec: ModelSpec, vocab_size: int, tag: str) -> xgr.CompiledGrammar:
-    return _compiler(spec, vocab_size).compile_structural_tag(tag)
+    """The tag compiled against this model's tokenizer: in a child process within
+    ``LMSP_GRAMMAR_TIMEOUT_SECONDS`` / ``LMSP_GRAMMAR_MEMORY_MB``, as the web
+    checked it (raises ``grammar_limits.GrammarError`` otherwise), then kept."""
+    key = (spec, vocab_size, tag)
+    grammar = _cache.get(key)
+    if grammar is None:
+        info_json = _tokenizer_info_json(spec, vocab_size)
+        [serialized] = grammar_limits.compile_tags(
+            [tag], info_json, grammar_limits_from_settings(), keep=True
+        )
+        grammar = xgr.CompiledGrammar.deserialize_json(
+            serialized, _tokenizer_info(spec, vocab_size)
+        )
+        _cache.put(key, grammar)
+    return grammar
 
 
 def compiled_grammar(lm: LoadedModel, params: GenerationParams) -> xgr.CompiledGrammar | None:

@@ -18,10 +18,13 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection
+from django.utils import timezone
 
+from generation import grammar_limits
 from generation.output import OutputAssembler
 from generation.params import GenerationParams
 from generation.registry import declared_models
@@ -49,9 +52,16 @@ def run_task(task_id: str, worker: str | None = None) -> str | None:
     task = lifecycle.claim(task_id, worker or worker_name())
     if task is None:
         return None
+    if task.model not in declared_models():  # removed from models.toml while queued
+        return GenerationRun.fail_unstarted(task, lifecycle.model_gone_problem(task.model))
     run = GenerationRun(task)
     try:
         return run.run()
+    except grammar_limits.GrammarError as exc:  # the web's check passed; this machine differs
+        log.warning("Grammar of %s could not be compiled: %s", task_id, exc.reason)
+        return run.fail(
+            problem("generation_failed", f"The request's grammar cannot be compiled: {exc.reason}.")
+        )
     except Exception as exc:
         log.exception("Generation of %s failed", task_id)
         return run.fail(
@@ -80,13 +90,18 @@ class GenerationRun:
         self.stop: str | None = None  # "cancelled" or "lost"
         self.ended_by_model = False
         self.ended_by_grammar = False  # complete, but the token limit came before the end token
+        # LMSP_MAX_JOB_SECONDS from the task's first start, over all attempts.
+        self.deadline = (task.started_at or timezone.now()) + timedelta(
+            seconds=settings.LMSP_MAX_JOB_SECONDS
+        )
+        self.past_deadline = False
 
     def run(self) -> str | None:
         lm = load_model(self.spec)
         detok = engine.IncrementalDetokenizer(lm.tokenizer, **self.offsets)
         self._flush(detok)  # notices a cancel before starting
         remaining = self.params.max_output_tokens - len(self.token_ids)
-        if self.stop is None and remaining > 0:
+        if self.stop is None and remaining > 0 and not self._past_deadline():
             prompt_ids = lm.tokenizer(self.response.prompt, add_special_tokens=False)["input_ids"]
             with self._lease_kept():
                 self._decode(lm, detok, prompt_ids, remaining)
@@ -135,13 +150,21 @@ class GenerationRun:
                     self.pending += self.assembler.feed(detok.step(self.token_ids))
                 if time.monotonic() - self.last_flush >= interval:
                     self._flush(detok)
-                if self.stop is not None:
+                if self.stop is not None or self._past_deadline():
                     return
         finally:
             generation.cancel()  # leaves the batch at its next step; no-op once finished
             timer.push()
         if generation.error is not None:
             raise generation.error
+
+    def _past_deadline(self) -> bool:
+        """Whether the job has run ``LMSP_MAX_JOB_SECONDS``: it then ends
+        ``incomplete`` (reason ``max_job_seconds``) with what it has, as at the
+        token limit; the broker's visibility timeout is set above it."""
+        if not self.past_deadline and timezone.now() >= self.deadline:
+            self.past_deadline = True
+        return self.past_deadline
 
     @contextmanager
     def _lease_kept(self) -> Iterator[None]:
@@ -200,7 +223,8 @@ class GenerationRun:
             events = self.assembler.finish() + [protocol.completed_event(rid, usage)]
         else:
             status = Status.INCOMPLETE
-            incomplete = {"reason": "max_output_tokens"}
+            reason = "max_job_seconds" if self.past_deadline else "max_output_tokens"
+            incomplete = {"reason": reason}
             events = self.assembler.close() + [
                 protocol.incomplete_event(rid, incomplete["reason"], usage)
             ]
@@ -215,6 +239,14 @@ class GenerationRun:
             if lifecycle.finish(self.task_id, self.attempt, self.pending + events, outcome)
             else None
         )
+
+    @staticmethod
+    def fail_unstarted(task: Task, error: dict) -> str | None:
+        """Fail a claimed task before any generation (nothing to keep)."""
+        events = [protocol.failed_event(task.response_id, error)]
+        outcome = lifecycle.Outcome(status=Status.FAILED, error=error)
+        ok = lifecycle.finish(task.id, task.attempt, events, outcome)
+        return Status.FAILED if ok else None
 
     def fail(self, error: dict) -> str | None:
         events = self.pending + self.assembler.close()

@@ -20,7 +20,13 @@ def run_task(task_id: str) -> str | None:
 def sweep_tasks() -> dict:
     report = lifecycle.sweep()
     recorders.job_succeeded("sweep_tasks")  # the admin and /metrics flag a stale sweeper
-    return {"requeued": report.requeued, "ended": report.ended, "resent": report.resent}
+    return {
+        "requeued": report.requeued,
+        "ended": report.ended,
+        "resent": report.resent,
+        "failed": report.failed,
+        "errors": report.errors,
+    }
 
 
 @shared_task(name="workers.tasks.prune_events")
@@ -52,6 +58,10 @@ def serve_models(sender: object, **_: object) -> None:
     served = [spec for spec in available_models().values() if spec.queue in queues]
     for spec in served:
         engine_for(load_model(spec), spec.max_batch)
+    if served:  # grammars compile in children of a fork server: start it now
+        from generation import grammar_limits
+
+        grammar_limits.warm()
     if served:
         _heartbeat = heartbeat.Heartbeat([spec.id for spec in served], sender.hostname)
         _heartbeat.start()

@@ -1,6 +1,6 @@
 from django.core.management.base import BaseCommand, CommandError
 
-from accounts_app.services import create_token, revoke_token
+from accounts_app.services import PREFIX_LENGTH, create_token, revoke_token
 
 
 class Command(BaseCommand):
@@ -13,7 +13,9 @@ class Command(BaseCommand):
         create.add_argument("--scopes", required=True, help="comma separated")
         create.add_argument("--expires-in", type=int, default=None, help="seconds")
         create.add_argument("--name", default="")
-        revoke = sub.add_parser("revoke", help="Revoke the token(s) with this prefix.")
+        revoke = sub.add_parser(
+            "revoke", help=f"Revoke the token with this whole {PREFIX_LENGTH}-character prefix."
+        )
         revoke.add_argument("prefix")
 
     def handle(self, *args, **options) -> None:  # noqa: ANN002, ANN003
@@ -35,5 +37,8 @@ class Command(BaseCommand):
         else:
             count = revoke_token(options["prefix"])
             if count == 0:
-                raise CommandError(f"No active token with prefix {options['prefix']!r}.")
-            self.stdout.write(f"Revoked {count} token(s).")
+                raise CommandError(
+                    f"No active token with the prefix {options['prefix']!r}; give the whole "
+                    f"{PREFIX_LENGTH}-character prefix (or the token itself)."
+                )
+            self.stdout.write(f"Revoked {count} token.")

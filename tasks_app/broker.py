@@ -1,0 +1,83 @@
+"""Which tasks still have a message in the broker.
+
+The sweeper re-sends the job of a task that has been queued a long time only
+when its message is really gone (Redis restarted empty, a send that failed):
+re-sending every long-queued task on every sweep would, behind a long
+backlog, fill the queues with duplicates that each cost a worker a claim.
+
+With Celery's Redis transport (kombu) a queue is a Redis list named after
+it (plus one list per priority step), and a message a worker has taken but
+not acknowledged yet (``acks_late``) waits in the ``unacked`` hash. Each
+message is a JSON envelope whose base64 ``body`` holds the job's
+``[args, kwargs, embed]``; our jobs' first argument is the task id.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+import logging
+from collections.abc import Iterable
+
+import redis
+
+from lmsp_project.celery import app as celery_app
+
+log = logging.getLogger(__name__)
+
+# kombu's Redis transport: priority steps and the separator of their list names.
+PRIORITY_STEPS = (0, 3, 6, 9)
+PRIORITY_SEP = "\x06\x16"
+UNACKED = "unacked"
+
+
+@functools.cache
+def _connect(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+
+
+def _task_id(raw: bytes | str) -> str | None:
+    """The task id a raw kombu message carries, or None for a foreign message."""
+    try:
+        envelope = json.loads(raw)
+        if isinstance(envelope, list):  # an unacked entry: [message, exchange, routing key]
+            envelope = envelope[0]
+        body = envelope["body"]
+        if envelope.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args = json.loads(body)[0]
+        return args[0] if args and isinstance(args[0], str) else None
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def _list_names(queue: str) -> list[str]:
+    return [queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}" for step in PRIORITY_STEPS]
+
+
+def task_ids_in_broker(queues: Iterable[str]) -> set[str] | None:
+    """The task ids with a message waiting in these queues or taken but not
+    acknowledged; None when the broker cannot be read (then nothing is known
+    to be lost, and a re-send would fail anyway)."""
+    url = celery_app.conf.broker_url
+    if not url or not str(url).startswith(("redis://", "rediss://", "unix://")):
+        return None  # only the Redis transport is read (the only one this service runs)
+    client = _connect(str(url))
+    try:
+        pipe = client.pipeline(transaction=False)
+        for queue in sorted(set(queues)):
+            for name in _list_names(queue):
+                pipe.lrange(name, 0, -1)
+        pipe.hvals(UNACKED)
+        replies = pipe.execute()
+    except redis.RedisError as exc:
+        log.warning("Could not read the broker's queues: %s", exc)
+        return None
+    found: set[str] = set()
+    for reply in replies:
+        for raw in reply:
+            task_id = _task_id(raw)
+            if task_id is not None:
+                found.add(task_id)
+    return found

@@ -1,0 +1,298 @@
+"""Hardening as plain functions, without Celery: the sweeper against a real
+Redis broker, a removed model, idempotency claims, tokens, the secret key
+guard, grammar limits, the job deadline and cut-short tool calls."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import redis
+from django.contrib.auth import get_user_model
+from django.core.management import CommandError, call_command
+from django.utils import timezone
+
+from accounts_app.services import authenticate_bearer, create_token, revoke_token
+from generation import grammar_limits, schemas
+from generation.output import TOOL_OPEN, OutputAssembler
+from generation.params import GenerationParams
+from generation.registry import get_model
+from lmsp_core.errors import ProblemError
+from lmsp_core.status import Status
+from lmsp_project.devstack import start_redis
+from responses_app.serializers import validate_response_request
+from responses_app.submit import submit
+from tasks_app import lifecycle
+from tasks_app.models import IdempotencyKey, Task, TaskKind
+from workers.runner import run_task
+
+from .conftest import request_body
+from .stack import LOGS, ROOT
+from .test_lifecycle import events_of, new_task
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+QUEUE_PREFIX = "lmsp.test-hardening"
+
+
+@pytest.fixture(autouse=True)
+def private_queue(settings) -> None:
+    """A queue no worker of the test stack serves: only these tests touch it."""
+    settings.LMSP_QUEUE_PREFIX = QUEUE_PREFIX
+
+
+@pytest.fixture
+def broker(stack_settings: int):  # noqa: ANN201
+    """The tests' broker Redis (the one the test stack uses), started here when
+    the stack is not running; its test queue starts empty."""
+    client = redis.Redis(port=stack_settings, socket_connect_timeout=1)
+    started = None
+    try:
+        client.ping()
+    except redis.ConnectionError:
+        started = start_redis(LOGS / f"redis-{stack_settings}", stack_settings, persist=False)
+    queue = get_model("smollm2:135m").queue
+    client.delete(queue)
+    yield client, queue
+    client.delete(queue)
+    if started is not None:
+        started.kill()
+        started.wait(10)
+
+
+def age(task: Task, seconds: float = 3600) -> None:
+    Task.objects.filter(id=task.id).update(enqueued_at=timezone.now() - timedelta(seconds=seconds))
+
+
+# --- the sweeper -----------------------------------------------------------------
+
+
+def test_the_sweeper_resends_only_messages_gone_from_the_broker(broker):
+    client, queue = broker
+    task = new_task()
+    assert client.llen(queue) == 1  # sent on commit
+    age(task)
+    report = lifecycle.sweep()
+    assert report.resent == [] and client.llen(queue) == 1  # waiting, not lost
+    client.delete(queue)  # Redis lost it
+    age(task)
+    assert lifecycle.sweep().resent == [task.id]
+    assert client.llen(queue) == 1
+    assert Task.objects.get(id=task.id).enqueued_at > timezone.now() - timedelta(minutes=1)
+    assert lifecycle.sweep().resent == []  # not again before it is stale once more
+
+
+def test_a_removed_model_fails_its_tasks_and_the_sweep_goes_on(broker):
+    client, queue = broker
+    gone, other, running = new_task(), new_task(), new_task()
+    Task.objects.filter(id__in=[gone.id, running.id]).update(model="removed:1b")
+    lifecycle.claim(running.id, "w1")
+    Task.objects.filter(id=running.id).update(lease_expires_at=timezone.now() - timedelta(1))
+    for task in (gone, other):
+        age(task)
+    client.delete(queue)  # every message lost
+    report = lifecycle.sweep()
+    assert sorted(report.failed) == sorted([gone.id, running.id])
+    assert report.resent == [other.id] and report.errors == []
+    for task in (gone, running):
+        task.refresh_from_db()
+        assert task.status == Status.FAILED
+        assert task.error["code"] == "generation_failed" and task.error["model"] == "removed:1b"
+        assert "removed:1b" in task.error["detail"]
+        assert task.response.status == "failed" and task.response.error == task.error
+        assert events_of(task)[-1][1] == "response.failed"
+    # the other model's task still runs
+    assert run_task(other.id, "w2") in ("completed", "incomplete")
+
+
+def test_a_worker_fails_a_claimed_task_whose_model_is_gone():
+    task = new_task()
+    Task.objects.filter(id=task.id).update(model="removed:1b")
+    assert run_task(task.id, "w1") == "failed"
+    task.refresh_from_db()
+    assert task.error["code"] == "generation_failed" and "removed:1b" in task.error["detail"]
+
+
+# --- idempotency claims -------------------------------------------------------------
+
+
+def keyed_submit(owner, key: str) -> Task:  # noqa: ANN001
+    request = validate_response_request(request_body())
+    return submit(owner, request, kind=TaskKind.TASK, idempotency_key=key)
+
+
+def test_a_claim_whose_request_died_is_taken_over(settings):
+    settings.LMSP_IDEMPOTENCY_TAKEOVER_SECONDS = 5
+    owner, _ = get_user_model().objects.get_or_create(username="alice")
+    stuck = IdempotencyKey.objects.create(owner=owner, key="k1", fingerprint="from-a-dead-process")
+    with pytest.raises(ProblemError) as busy:  # young: its request may still be alive
+        keyed_submit(owner, "k1")
+    assert busy.value.code == "idempotency_key_reused"
+    IdempotencyKey.objects.filter(pk=stuck.pk).update(
+        created_at=timezone.now() - timedelta(seconds=6)
+    )
+    task = keyed_submit(owner, "k1")
+    assert task.replayed is False
+    assert IdempotencyKey.objects.get(owner=owner, key="k1").task_id == task.id
+    again = keyed_submit(owner, "k1")
+    assert again.id == task.id and again.replayed is True
+
+
+def test_a_request_whose_claim_was_taken_over_starts_nothing(settings):
+    owner, _ = get_user_model().objects.get_or_create(username="alice")
+    request = validate_response_request(request_body())
+
+    def start() -> Task:  # the takeover happens while this request prepares
+        IdempotencyKey.objects.filter(owner=owner, key="k2").update(created_at=timezone.now())
+        return lifecycle_start()
+
+    def lifecycle_start() -> Task:
+        from responses_app.submit import prepare_generation, start_generation
+
+        return start_generation(owner, prepare_generation(owner, request), TaskKind.TASK)
+
+    from tasks_app.idempotency import start_once
+
+    with pytest.raises(ProblemError) as lost:
+        start_once(owner, "k2", "print", start)
+    assert lost.value.code == "idempotency_key_in_use"
+    assert Task.objects.count() == 0  # what it started was rolled back
+
+
+# --- tokens -------------------------------------------------------------------------
+
+
+def test_tokens_of_an_inactive_user_are_refused():
+    issued = create_token(username="carol", scopes="models:read")
+    assert authenticate_bearer(f"Bearer {issued.secret}").id == issued.token.id
+    get_user_model().objects.filter(username="carol").update(is_active=False)
+    with pytest.raises(ProblemError) as refused:
+        authenticate_bearer(f"Bearer {issued.secret}")
+    assert refused.value.code == "unauthorized" and "deactivated" in str(refused.value.detail)
+
+
+def test_revoke_needs_a_whole_prefix():
+    issued = create_token(username="carol", scopes="models:read")
+    prefix = issued.token.prefix
+    assert revoke_token(prefix[:4]) == 0
+    with pytest.raises(CommandError, match="whole"):
+        call_command("lmsp_token", "revoke", prefix[:-1])
+    assert authenticate_bearer(f"Bearer {issued.secret}")  # still valid
+    call_command("lmsp_token", "revoke", prefix)
+    with pytest.raises(ProblemError):
+        authenticate_bearer(f"Bearer {issued.secret}")
+
+
+# --- settings -----------------------------------------------------------------------
+
+SETUP = "import django; django.setup(); print('started')"
+
+
+def django_setup(*drop: str, **env: str) -> subprocess.CompletedProcess:
+    dropped = ("LMSP_DEVELOPMENT", "LMSP_SECRET_KEY", *drop)
+    clean = {k: v for k, v in os.environ.items() if k not in dropped}
+    clean.update(DJANGO_SETTINGS_MODULE="lmsp_project.settings", LMSP_DEBUG="0", **env)
+    return subprocess.run(
+        [sys.executable, "-c", SETUP], cwd=ROOT, env=clean, capture_output=True, text=True
+    )
+
+
+def test_the_built_in_secret_key_is_refused_outside_development():
+    refused = django_setup()
+    assert refused.returncode != 0 and "LMSP_SECRET_KEY" in refused.stderr
+    assert django_setup(LMSP_DEVELOPMENT="1").stdout.strip() == "started"
+    assert django_setup(LMSP_SECRET_KEY="a-long-random-value").stdout.strip() == "started"
+    # without DATABASE_URL the run is on this checkout's embedded services: development
+    assert django_setup("DATABASE_URL").stdout.strip() == "started"
+
+
+def test_connections_come_from_a_pool_that_db_call_hands_back(settings):
+    import asyncio
+
+    from django.db import connection
+
+    from lmsp_core.http import db_call
+
+    assert settings.DATABASES["default"]["OPTIONS"]["pool"]["max_size"] >= 1
+    pool = connection.pool
+
+    def database() -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT current_database()")
+            return cursor.fetchone()[0]
+
+    async def many() -> list[str]:
+        return await asyncio.gather(*(db_call(database) for _ in range(30)))
+
+    # every pooled connection is to the test database, not the one it replaced
+    assert set(asyncio.run(many())) == {settings.DATABASES["default"]["NAME"]}
+    assert pool.get_stats()["pool_size"] <= pool.max_size
+
+
+# --- grammar limits -----------------------------------------------------------------
+
+
+def nested_arrays(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_a_hostile_schema_is_refused_within_the_time_limit(settings):
+    settings.LMSP_GRAMMAR_TIMEOUT_SECONDS = 2
+    spec = get_model("smollm2:135m")
+    warm = {"type": "json_schema", "json_schema": {"name": "x", "schema": nested_arrays(1)}}
+    schemas.schema_problem(GenerationParams(response_format=warm), spec)  # fork server, tokenizer
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": nested_arrays(500)}}
+    began = time.monotonic()
+    param, detail = schemas.schema_problem(GenerationParams(response_format=fmt), spec)
+    assert time.monotonic() - began < 2 + 3
+    assert param == "response_format.json_schema.schema" and "longer than the limit" in detail
+
+
+def test_a_compile_over_the_memory_limit_is_refused():
+    info = grammar_limits.tokenizer_info(
+        str(__import__("generation.weights").weights.weights_folder(get_model("smollm2:135m")))
+    )
+    tag = schemas.structural_tag({"type": "json_schema", "json_schema": nested_arrays(3)})
+    with pytest.raises(grammar_limits.GrammarLimitExceeded) as refused:
+        grammar_limits.compile_tags([tag], info, grammar_limits.Limits(seconds=30, memory_mb=1))
+    assert refused.value.index == 0 and "memory" in refused.value.reason
+
+
+# --- the job deadline ---------------------------------------------------------------
+
+
+def test_a_job_past_its_deadline_ends_incomplete(settings):
+    settings.LMSP_MAX_JOB_SECONDS = 0
+    task = new_task(max_output_tokens=12)
+    assert run_task(task.id, "w1") == "incomplete"
+    task.refresh_from_db()
+    assert task.response.incomplete_details == {"reason": "max_job_seconds"}
+    assert events_of(task)[-1][2]["incomplete_details"] == {"reason": "max_job_seconds"}
+
+
+# --- tool calls cut short -----------------------------------------------------------
+
+
+def test_a_call_cut_short_leaves_no_markup_in_the_text():
+    for cut in ('<tool_call>\n{"name":"get_weather","arguments":{"ci', "<tool_c"):
+        assembler = OutputAssembler("resp_1", parse_tools=True)
+        events = assembler.feed("Let me check. " + cut) + assembler.close()
+        text = "".join(e[1].get("delta", "") for e in events if e[0].endswith("text.delta"))
+        assert TOOL_OPEN[:3] not in text and text.strip() == "Let me check.", cut
+        assert [item["type"] for item in assembler.items] == ["message"]
+
+
+def test_a_call_cut_before_its_closing_tag_is_kept_when_its_json_is_whole():
+    assembler = OutputAssembler("resp_1", parse_tools=True)
+    assembler.feed('<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool')
+    assembler.close()
+    [call] = assembler.items
+    assert call["type"] == "function_call" and json.loads(call["arguments"]) == {"city": "Oslo"}
