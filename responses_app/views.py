@@ -105,13 +105,23 @@ def _cancel_orphan(started: asyncio.Future) -> None:
 
 
 async def _direct_stream(task_id: str):  # noqa: ANN202
-    delivered = False
+    """Follow a direct generation; only the client's going away cancels it.
+
+    The client is gone when the server cancels the stream (Django does on
+    ``http.disconnect``) or closes it unfinished. Any other error is the
+    server's own: the generation goes on and can be fetched or replayed
+    with the same ``Idempotency-Key``.
+    """
+    delivered = client_gone = False
     try:
         async for frame in follow(task_id, 0):
             yield frame
         delivered = True
+    except (asyncio.CancelledError, GeneratorExit):
+        client_gone = True
+        raise
     finally:
         if delivered:
             await db_call(records.discard_unneeded, delivered_task_id=task_id)
-        else:  # the client went away mid-stream
+        elif client_gone:
             await asyncio.shield(db_call(task_services.cancel_abandoned, task_id))
