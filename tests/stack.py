@@ -27,6 +27,10 @@ STACK_SETTINGS = {
     "LMSP_STREAM_POLL_SECONDS": "1",
     "LMSP_FLUSH_INTERVAL_SECONDS": "0.05",
     "LMSP_KEEPALIVE_SECONDS": "1",
+    # A small window and pages: replays from the database are exercised too.
+    "LMSP_STREAM_CHECK_SECONDS": "2",
+    "LMSP_STREAM_WINDOW_EVENTS": "32",
+    "LMSP_STREAM_PAGE_EVENTS": "16",
 }
 
 
