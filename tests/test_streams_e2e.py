@@ -340,7 +340,7 @@ def test_late_joiner_replays_a_long_history_in_pages(api, stack, token):
     # The stack keeps a window of 32 events and pages of 16: a follower from 0
     # replays most of this task from the database, page by page.
     task = create_task(api, input=[user_message(LONG_STORY)], max_output_tokens=120)
-    wait_for_events(task["id"], 60)
+    wait_for_events(task["id"], 60, timeout=240)  # a loaded machine generates slowly
     early = Follower(stack, token, f"/lmsp/v1/tasks/{task['id']}/events")
     late = [Follower(stack, token, f"/lmsp/v1/tasks/{task['id']}/events") for _ in range(5)]
     done = wait_for(api, task["id"], timeout=180)
