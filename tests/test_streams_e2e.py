@@ -145,10 +145,13 @@ def _log_reads() -> int:
 
 
 def _reads_during(seconds: float) -> int:
-    time.sleep(1.5)  # backends report their counts at most once a second
+    """Reads in a window of ``seconds`` (give or take the 11 s of settling:
+    a backend idle less than a second after its last report keeps its counts
+    up to 10 s, PostgreSQL's PGSTAT_IDLE_INTERVAL)."""
+    time.sleep(11)
     before = _log_reads()
     time.sleep(seconds)
-    time.sleep(1.5)
+    time.sleep(11)
     return _log_reads() - before
 
 
@@ -162,18 +165,18 @@ def test_idle_followers_make_no_queries_until_redis_goes_away(api, stack, token,
     followers = [Follower(stack, token, f"/lmsp/v1/tasks/{task['id']}/events") for _ in range(40)]
     for follower in followers:
         follower.wait_for(1)
-    # With Redis up, 40 idle followers over 4 s (7 s between the readings):
+    # With Redis up, 40 idle followers over 15 s between the readings:
     # the task's safety check (LMSP_STREAM_CHECK_SECONDS is 2 on the test
     # stack) at most, nothing per follower (before the feeds: two reads per
-    # follower per second, over 500 here).
+    # follower per second, over 1000 here).
     idle = _reads_during(4)
-    assert idle <= 6, f"{idle} reads of the log by 40 idle followers in 4 s"
+    assert idle <= 12, f"{idle} reads of the log by 40 idle followers"  # ~8 checks
 
     stack.stop_redis()
     polled = _reads_during(4)  # the task's feed now reads the database itself
-    assert polled >= 3, f"only {polled} reads while Redis was down"
+    assert polled >= 8, f"only {polled} reads while Redis was down"
     # per task (about one a second here), not per follower (80 a second before)
-    assert polled < 40 * 4, f"{polled} reads while Redis was down"
+    assert polled < 40 * 15, f"{polled} reads while Redis was down"
     answer = api.post(f"/lmsp/v1/tasks/{task['id']}/cancel")  # published to nobody
     assert answer.status_code == 200
     done = wait_for(api, task["id"])
