@@ -61,10 +61,13 @@ DATABASES = {
         os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/lmsp")
     )
 }
-# Each process borrows its ORM connections from a psycopg pool of this size
-# instead of opening one per request (0 turns pooling off): connecting a
-# stream follower then costs two queries, not a new PostgreSQL session.
-LMSP_DB_POOL_SIZE = env_int("LMSP_DB_POOL_SIZE", 10)
+# With a size above 0, each process borrows its ORM connections from a psycopg
+# pool of that size instead of opening one per request: connecting a stream
+# follower then costs two queries, not a new PostgreSQL session. Off by
+# default: after a PostgreSQL restart the pool was seen to hand out no
+# connection for over 30 s (PoolTimeout), where a new session per request
+# recovers at once. Stream reads have their own pool (tasks_app.event_reader).
+LMSP_DB_POOL_SIZE = env_int("LMSP_DB_POOL_SIZE", 0)
 if LMSP_DB_POOL_SIZE > 0:
     DATABASES["default"]["OPTIONS"]["pool"] = {
         "min_size": 1,

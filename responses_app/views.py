@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable
 
+from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from rest_framework.request import Request
 from rest_framework.response import Response as DRFResponse
@@ -24,6 +26,8 @@ from . import records
 from .selectors import stored_response
 from .serializers import validate_response_request
 from .submit import submit
+
+log = logging.getLogger(__name__)
 
 
 class ModelListView(APIView):
@@ -121,7 +125,10 @@ async def _direct_stream(task_id: str):  # noqa: ANN202
         client_gone = True
         raise
     finally:
-        if delivered:
-            await db_call(records.discard_unneeded, delivered_task_id=task_id)
-        elif client_gone:
-            await asyncio.shield(db_call(task_services.cancel_abandoned, task_id))
+        try:
+            if delivered:
+                await db_call(records.discard_unneeded, delivered_task_id=task_id)
+            elif client_gone:
+                await asyncio.shield(db_call(task_services.cancel_abandoned, task_id))
+        except DatabaseError:  # the stream itself is whole: do not break it now
+            log.warning("Could not tidy up after the stream of %s", task_id, exc_info=True)
