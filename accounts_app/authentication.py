@@ -41,7 +41,9 @@ class HasRequiredScope(BasePermission):
         return True
 
 
-def _authenticate(header: str | None, scope: str) -> ApiToken:
+def authenticated_token(header: str | None, scope: str) -> ApiToken:
+    """The token an ``Authorization`` header names, which must carry ``scope``
+    (sync: for a view that does its other reads in the same database call)."""
     token = authenticate_bearer(header)
     require_scope(token, scope)
     return token
@@ -49,4 +51,4 @@ def _authenticate(header: str | None, scope: str) -> ApiToken:
 
 async def authenticate(request: HttpRequest, scope: str) -> ApiToken:
     """The request's token, which must carry ``scope``; else 401 or 403."""
-    return await db_call(_authenticate, request.headers.get("Authorization"), scope)
+    return await db_call(authenticated_token, request.headers.get("Authorization"), scope)

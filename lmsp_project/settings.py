@@ -86,6 +86,21 @@ DATABASES = {
         pool_size=LMSP_DB_POOL_SIZE,
     )
 }
+# With a size above 0, each process borrows its ORM connections from a psycopg
+# pool of that size instead of opening one per request: connecting a stream
+# follower then costs two queries, not a new PostgreSQL session. Off by
+# default: after a PostgreSQL restart the pool was seen to hand out no
+# connection for over 30 s (PoolTimeout), where a new session per request
+# recovers at once. Stream reads have their own pool (tasks_app.event_reader).
+LMSP_DB_POOL_SIZE = env_int("LMSP_DB_POOL_SIZE", 0)
+if LMSP_DB_POOL_SIZE > 0:
+    DATABASES["default"]["OPTIONS"]["pool"] = {
+        "min_size": 1,
+        "max_size": LMSP_DB_POOL_SIZE,
+        "timeout": 30,
+    }
+    # A pooled connection that died with a PostgreSQL restart is replaced when borrowed.
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = os.environ.get("REDIS_URL") or _RUNNING.get("REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -147,8 +162,21 @@ LMSP_MAX_ATTEMPTS = env_int("LMSP_MAX_ATTEMPTS", 3)
 LMSP_REQUEUE_AFTER_SECONDS = env_float("LMSP_REQUEUE_AFTER_SECONDS", 60.0)
 LMSP_SWEEP_INTERVAL_SECONDS = env_float("LMSP_SWEEP_INTERVAL_SECONDS", 5.0)
 LMSP_KEEPALIVE_SECONDS = env_float("LMSP_KEEPALIVE_SECONDS", 15.0)
-# How long a stream reader waits on Redis before it looks at the database anyway.
+# Event streams (tasks_app.streams): each web process keeps one feed per followed
+# task. While its Redis subscription is down, a feed reads the database this often;
 LMSP_STREAM_POLL_SECONDS = env_float("LMSP_STREAM_POLL_SECONDS", 1.0)
+# while it is up, a feed of an unfinished task checks the database this often
+# (one query per task, not per follower) in case a message was lost.
+LMSP_STREAM_CHECK_SECONDS = env_float("LMSP_STREAM_CHECK_SECONDS", 15.0)
+# Recent events a feed keeps as frames; a follower further back replays from
+# the database in pages of LMSP_STREAM_PAGE_EVENTS.
+LMSP_STREAM_WINDOW_EVENTS = env_int("LMSP_STREAM_WINDOW_EVENTS", 2048)
+LMSP_STREAM_PAGE_EVENTS = env_int("LMSP_STREAM_PAGE_EVENTS", 500)
+# Open event streams one web process serves, in all and per token; beyond
+# either, GET /tasks/{id}/events is answered 503 overloaded with Retry-After.
+LMSP_MAX_STREAMS_PER_PROCESS = env_int("LMSP_MAX_STREAMS_PER_PROCESS", 20_000)
+LMSP_MAX_STREAMS_PER_TOKEN = env_int("LMSP_MAX_STREAMS_PER_TOKEN", 1_000)
+LMSP_STREAM_RETRY_AFTER_SECONDS = env_int("LMSP_STREAM_RETRY_AFTER_SECONDS", 5)
 LMSP_EVENT_RETENTION_SECONDS = env_int("LMSP_EVENT_RETENTION_SECONDS", 86_400)
 LMSP_TASK_RETENTION_SECONDS = env_int("LMSP_TASK_RETENTION_SECONDS", 30 * 86_400)
 LMSP_PRUNE_INTERVAL_SECONDS = env_float("LMSP_PRUNE_INTERVAL_SECONDS", 300.0)

@@ -14,8 +14,11 @@ routes) goes through these functions, whatever shape it sends.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
+
+from django.db import DatabaseError
 
 from lmsp_core import protocol
 from lmsp_core.http import db_call
@@ -25,6 +28,8 @@ from tasks_app.models import Task
 from tasks_app.streams import follow_events
 
 from . import records
+
+log = logging.getLogger(__name__)
 
 
 def cancels_if_left(idempotency_key: str | None, stream: bool) -> bool:
@@ -85,14 +90,23 @@ async def delivered_events(task: Task, cancel_if_left: bool) -> AsyncIterator[St
     keep-alive); the generation is cancelled if the stream is not read to the
     end (``cancel_if_left``, and not a replay), and the answer discarded once
     it is, unless it was stored."""
-    delivered = False
+    delivered = client_gone = False
     try:
         async with aclosing(follow_events(task.id, 0)) as events:
             async for event in events:
                 yield event
         delivered = True
+    except (asyncio.CancelledError, GeneratorExit):
+        # The client is gone: the server cancels the stream (Django does on
+        # http.disconnect) or closes it unfinished. Any other error is the
+        # server's own: the generation goes on, to be fetched or replayed.
+        client_gone = True
+        raise
     finally:
-        if delivered:
-            await db_call(records.discard_unneeded, delivered_task_id=task.id)
-        elif _leaving(task, cancel_if_left):  # the client went away mid-stream
-            await asyncio.shield(db_call(task_services.cancel_abandoned, task.id))
+        try:
+            if delivered:
+                await db_call(records.discard_unneeded, delivered_task_id=task.id)
+            elif client_gone and _leaving(task, cancel_if_left):
+                await asyncio.shield(db_call(task_services.cancel_abandoned, task.id))
+        except DatabaseError:  # the stream itself is whole: do not break it now
+            log.warning("Could not tidy up after the stream of %s", task.id, exc_info=True)

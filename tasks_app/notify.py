@@ -2,9 +2,9 @@
 
 Writers publish each committed batch of events on one channel; every web
 process keeps a single subscription (``EventHub``) and hands batches to the
-readers of that task in the process. Redis only wakes readers: PostgreSQL is
-the record, so a lost message costs a reader one extra database read, never
-an event (see ``tasks_app.streams``).
+one feed of that task in the process (``tasks_app.streams``). Redis only
+carries copies: PostgreSQL is the record, so a lost message costs a feed one
+database read, never an event.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import redis
 import redis.asyncio as aioredis
@@ -36,28 +35,39 @@ def publish(task_id: str, events: Iterable[tuple[int, str, str]]) -> None:
 
 
 class EventHub:
-    """One Redis subscription per process, fanned out to per-task queues."""
+    """One Redis subscription per process, handed to one listener per task.
+
+    The listeners are the per-task feeds of ``tasks_app.streams``; however
+    many streams follow a task, the hub calls one function per message.
+    ``healthy`` says whether the subscription is up: while it is not, feeds
+    read the database on their own, and when it comes back every feed reads
+    once, since messages published meanwhile are lost.
+    """
 
     def __init__(self) -> None:
-        self._queues: dict[str, set[asyncio.Queue]] = defaultdict(set)
+        self._listeners: dict[str, Callable[[list], None]] = {}
         self._listener: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.healthy = False
+        self.on_reconnect: Callable[[], None] | None = None
 
-    def subscribe(self, task_id: str) -> asyncio.Queue:
+    def listen(self, task_id: str, callback: Callable[[list], None]) -> None:
+        """Hand ``task_id``'s published batches to ``callback`` (replacing any other)."""
         loop = asyncio.get_running_loop()
         if self._listener is None or self._listener.done() or self._loop is not loop:
             self._loop = loop
+            self.healthy = False
             self._listener = loop.create_task(self._listen(), name="lmsp-event-hub")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[task_id].add(queue)
-        return queue
+        self._listeners[task_id] = callback
 
-    def unsubscribe(self, task_id: str, queue: asyncio.Queue) -> None:
-        queues = self._queues.get(task_id)
-        if queues is not None:
-            queues.discard(queue)
-            if not queues:
-                del self._queues[task_id]
+    def unlisten(self, task_id: str) -> None:
+        self._listeners.pop(task_id, None)
+
+    def _set_healthy(self, healthy: bool) -> None:
+        changed = healthy != self.healthy
+        self.healthy = healthy
+        if changed and self.on_reconnect is not None:
+            self.on_reconnect()  # up: catch up on lost messages; down: start polling
 
     async def _listen(self) -> None:
         backoff = 0.2
@@ -66,13 +76,16 @@ class EventHub:
                 client = aioredis.Redis.from_url(settings.REDIS_URL)
                 async with client.pubsub() as pubsub:
                     await pubsub.subscribe(CHANNEL)
+                    self._set_healthy(True)
                     backoff = 0.2
                     async for message in pubsub.listen():
                         if message.get("type") == "message":
                             self._dispatch(message["data"])
             except asyncio.CancelledError:
+                self.healthy = False
                 raise
-            except Exception as exc:  # Redis down or restarted: readers poll meanwhile
+            except Exception as exc:  # Redis down or restarted: feeds poll meanwhile
+                self._set_healthy(False)
                 log.warning("Event hub lost Redis (%s); retrying in %.1fs", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -80,10 +93,11 @@ class EventHub:
     def _dispatch(self, raw: bytes) -> None:
         try:
             message = json.loads(raw)
-        except ValueError:
-            return
-        for queue in self._queues.get(message.get("task"), ()):
-            queue.put_nowait(message["events"])
+            callback = self._listeners.get(message.get("task"))
+            if callback is not None:
+                callback(message["events"])
+        except Exception:  # a malformed message must not stop the subscription
+            log.exception("Could not dispatch an event message")
 
 
 hub = EventHub()

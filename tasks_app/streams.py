@@ -1,4 +1,4 @@
-"""Server-sent event streams of a task's log.
+"""Server-sent event streams of a task's log, for thousands of followers.
 
 Written here rather than with django-eventstream, which was evaluated and
 does not fit the protocol: its ids are composite ``channel:id`` strings, it
@@ -6,42 +6,330 @@ has no ``after`` parameter, it answers an expired history with a
 ``stream-reset`` event instead of ``410``, it never closes after a final
 event, and it keeps a fixed 24-hour history.
 
-A reader subscribes to the process's event hub before it replays from the
-database, so nothing committed in between is missed; published batches are
-used directly while their ids follow on from the last one sent, and any gap
-(a lost Redis message, a Redis restart) sends the reader back to the
-database. Without any wake-up the reader still looks at the database every
-``LMSP_STREAM_POLL_SECONDS``.
+Followers cost memory, not queries. Each web process keeps one ``TaskFeed``
+per followed task: a window of the task's most recent events as ready-made
+SSE frames, filled from the Redis messages the process's one subscription
+receives (``tasks_app.notify``) and, on a gap in ids, on (re)connecting to
+Redis or while Redis is down, by one database read shared by every follower
+of the task. A follower is a small coroutine that remembers the last id it
+sent and waits on its feed; while Redis is healthy an idle follower makes no
+query at all. A slow safety check per feed (``LMSP_STREAM_CHECK_SECONDS``),
+not per follower, catches a lost final message.
+
+A follower that starts before the window (a late joiner, a resume far back)
+replays from the database in pages of ``LMSP_STREAM_PAGE_EVENTS``; pages are
+read once and shared by the followers that need them at the same time.
+
+Database or Redis errors never end a stream: the feed retries, and the
+stream goes on with keep-alives. A stream whose next events were removed by
+retention ends without a final event, so that the client's reconnect is
+answered ``410 event_history_expired``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import resource
 import time
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
+from asgiref.sync import SyncToAsync
 from django.conf import settings
 
+from lmsp_core.errors import ProblemError
 from lmsp_core.protocol import FINAL_EVENTS, KEEPALIVE_FRAME, sse_frame
 
 from . import event_reader
 from .event_log import StoredEvent
+from .event_reader import READ_ERRORS
 from .models import FINAL_STATUSES
 from .notify import hub
+
+log = logging.getLogger(__name__)
 
 SSE_HEADERS = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",  # nginx: do not buffer the stream
 }
 
+RETRY_MAX_SECONDS = 5.0
+
+
+class _Vanished(Exception):
+    """Events the feed was about to read were removed meanwhile (retention)."""
+
+
+class TaskFeed:
+    """The events of one task as this process knows them, shared by its followers.
+
+    ``frames`` holds the frames of ids ``base + 1 .. last``; ids up to
+    ``pruned_through`` were removed by retention and can never be sent.
+    Followers wait on ``changed()``, which fires whenever frames are added
+    or the feed learns something that ends streams.
+    """
+
+    def __init__(self, task_id: str) -> None:
+        self.task_id = task_id
+        self.frames: list[bytes] = []
+        self.events: list[StoredEvent] = []  # the same events, for follow_events
+        self.base = 0
+        self.final_id: int | None = None  # id of the final event, once known
+        self.task_final = False
+        self.pruned_through = 0
+        self.gone = False  # the task itself was deleted
+        self.ready = False  # the first read is done
+        self.followers = 0
+        self.closed = False
+        self._changed = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._need_read = True
+        self._pending: list[list] = []  # messages that came before the first read
+        self._joined: dict[int, bytes] = {}  # frames after id N, joined, for this `last`
+        self._pages: dict[int, asyncio.Future] = {}
+        self._runner = asyncio.get_running_loop().create_task(
+            self._run(), name=f"lmsp-feed-{task_id}"
+        )
+
+    @property
+    def last(self) -> int:
+        return self.base + len(self.frames)
+
+    # --- the followers' side -------------------------------------------------------
+
+    def changed(self) -> asyncio.Event:
+        return self._changed
+
+    def frames_after(self, sent: int) -> bytes:
+        """The frames of ids ``sent + 1 .. last`` as one chunk (``sent >= base``),
+        built once for all the followers that stand at the same id."""
+        joined = self._joined.get(sent)
+        if joined is None:
+            start = sent - self.base
+            joined = (
+                self.frames[start]
+                if start == len(self.frames) - 1
+                else b"".join(self.frames[start:])
+            )
+            self._joined[sent] = joined
+        return joined
+
+    def events_after(self, sent: int) -> list[StoredEvent]:
+        """The events of ids ``sent + 1 .. last`` (``sent >= base``)."""
+        return self.events[sent - self.base :]
+
+    def ends_at(self, sent: int) -> bool:
+        """True when nothing can follow id ``sent``."""
+        if self.gone:
+            return True
+        if self.final_id is not None:
+            return sent >= self.final_id
+        return self.task_final and sent >= self.last
+
+    async def page(self, after: int) -> list[StoredEvent]:
+        """Stored events from the page that holds ``after + 1``, read once for
+        every follower that needs it now; complete pages stay cached."""
+        size = settings.LMSP_STREAM_PAGE_EVENTS
+        index = after // size
+        future = self._pages.get(index)
+        if future is None or (future.done() and (future.cancelled() or future.exception())):
+            future = asyncio.ensure_future(
+                event_reader.read_range(self.task_id, index * size, (index + 1) * size)
+            )
+            self._pages[index] = future
+            future.add_done_callback(lambda done: self._page_read(index, done, size))
+        return await asyncio.shield(future)
+
+    def _page_read(self, index: int, future: asyncio.Future, size: int) -> None:
+        complete = (
+            not future.cancelled() and future.exception() is None and len(future.result()) == size
+        )
+        if not complete and self._pages.get(index) is future:
+            del self._pages[index]  # a short page may grow, a failed read is retried
+        while len(self._pages) > 4:
+            del self._pages[next(iter(self._pages))]
+
+    # --- filling -------------------------------------------------------------------
+
+    def on_message(self, events: list) -> None:
+        """A batch published by a writer: ``[(id, event, data), ...]``."""
+        if self.closed:
+            return
+        if not self.ready:
+            self._pending.append(events)
+            return
+        self._apply(events)
+
+    def request_read(self) -> None:
+        self._need_read = True
+        self._wake.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self._runner.cancel()
+        self._pages.clear()
+
+    def _notify(self) -> None:
+        fired, self._changed = self._changed, asyncio.Event()
+        fired.set()
+
+    def _apply(self, events: list) -> None:
+        added = False
+        for event_id, name, data in events:
+            if event_id <= self.last:
+                continue
+            if event_id != self.last + 1:
+                self.request_read()  # a gap: the database has what was missed
+                break
+            self._append(event_id, name, data)
+            added = True
+        if added:
+            self._notify()
+
+    def _append(self, event_id: int, name: str, data: str) -> None:
+        self.frames.append(sse_frame(event_id, name, data))
+        self.events.append(StoredEvent(event_id, name, data))
+        if name in FINAL_EVENTS:
+            self.final_id = event_id
+        self._joined.clear()
+        window = settings.LMSP_STREAM_WINDOW_EVENTS
+        if len(self.frames) > window + window // 4:
+            drop = len(self.frames) - window
+            del self.frames[:drop]
+            del self.events[:drop]
+            self.base += drop
+
+    def _restart_window(self, base: int) -> None:
+        self.frames = []
+        self.events = []
+        self.base = base
+        self._joined.clear()
+
+    async def _run(self) -> None:
+        backoff = 0.2
+        while not self.closed:
+            if self._need_read:
+                self._need_read = False
+                try:
+                    await self._refresh()
+                    backoff = 0.2
+                except _Vanished:
+                    self._need_read = True  # read the position again: it says what is gone
+                    await asyncio.sleep(0.05)
+                    continue
+                except READ_ERRORS as exc:
+                    log.warning(
+                        "Stream feed of %s could not read the database (%s); retrying in %.1fs",
+                        self.task_id,
+                        exc,
+                        backoff,
+                    )
+                    self._need_read = True
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, RETRY_MAX_SECONDS)
+                    continue
+            if self.ends_at(self.last) and self.ready:
+                await self._wake.wait()  # nothing more can come; only a reconnect wakes it
+            else:
+                interval = (
+                    settings.LMSP_STREAM_CHECK_SECONDS
+                    if hub.healthy
+                    else settings.LMSP_STREAM_POLL_SECONDS
+                )
+                try:
+                    async with asyncio.timeout(interval):
+                        await self._wake.wait()
+                except TimeoutError:
+                    self._need_read = True  # the safety check (or, without Redis, the poll)
+            self._wake.clear()
+
+    async def _refresh(self) -> None:
+        """One shared read: the task's position, then whatever events this feed lacks."""
+        position = await event_reader.position(self.task_id)
+        if position is None:
+            self.gone = True
+            self.ready = True
+            self._pending.clear()
+            self._notify()
+            return
+        self.task_final = position.status in FINAL_STATUSES
+        self.pruned_through = position.pruned_through
+        window = settings.LMSP_STREAM_WINDOW_EVENTS
+        if not self.ready:
+            start = max(position.pruned_through, position.last_event_id - window, 0)
+            rows = await self._read(start, position.last_event_id)
+            self._restart_window(start)
+            for event in rows:
+                self._append(event.id, event.event, event.data)
+            self.ready = True
+            pending, self._pending = self._pending, []
+            for batch in pending:
+                self._apply(batch)
+            self._notify()
+            return
+        if position.pruned_through > self.last:
+            # Removed before this feed got them: followers still before them end.
+            self._restart_window(position.pruned_through)
+            self._notify()
+            return
+        if position.last_event_id > self.last:
+            start = max(self.last, position.last_event_id - window)
+            if start > self.last:  # far behind (Redis was down): keep only the window
+                self._restart_window(start)
+            rows = await self._read(start, position.last_event_id)
+            self._apply([(e.id, e.event, e.data) for e in rows])
+        self._notify()  # the task may have become final without a new event here
+
+    async def _read(self, after: int, through: int) -> list[StoredEvent]:
+        if through <= after:
+            return []
+        rows = await event_reader.read_range(self.task_id, after, through)
+        if not rows or rows[0].id != after + 1:
+            raise _Vanished
+        return rows
+
+
+_feeds: dict[str, TaskFeed] = {}
+
+
+def _on_hub_change() -> None:
+    """Redis came back (messages were lost meanwhile) or went away (start polling)."""
+    for feed in _feeds.values():
+        feed.request_read()
+
+
+hub.on_reconnect = _on_hub_change
+
+
+def _acquire(task_id: str) -> TaskFeed:
+    feed = _feeds.get(task_id)
+    if feed is None or feed.closed:
+        feed = TaskFeed(task_id)
+        _feeds[task_id] = feed
+        hub.listen(task_id, feed.on_message)  # before the feed's first read
+    feed.followers += 1
+    return feed
+
+
+def _release(feed: TaskFeed) -> None:
+    feed.followers -= 1
+    if feed.followers == 0:
+        feed.close()
+        if _feeds.get(feed.task_id) is feed:
+            del _feeds[feed.task_id]
+            hub.unlisten(feed.task_id)
+
 
 async def follow(task_id: str, after: int) -> AsyncIterator[bytes]:
     """Frames of every event after ``after``, live ones included, until the
-    final event; ``: keep-alive`` comments while nothing else is sent."""
-    async with aclosing(follow_events(task_id, after)) as events:
-        async for event in events:
-            yield lmsp_frame(event)
+    final event; ``: keep-alive`` comments while nothing else is sent. Ends
+    early, without a final event, when the events it needs were removed by
+    retention (or the task was deleted): a reconnect is then told why."""
+    async with aclosing(_deliveries(task_id, after)) as deliveries:
+        async for delivery in deliveries:
+            yield KEEPALIVE_FRAME if delivery is None else delivery[0]
 
 
 def lmsp_frame(event: StoredEvent | None) -> bytes:
@@ -50,58 +338,168 @@ def lmsp_frame(event: StoredEvent | None) -> bytes:
 
 
 async def follow_events(task_id: str, after: int) -> AsyncIterator[StoredEvent | None]:
-    """Every event after ``after``, live ones included, until the final event;
-    ``None`` whenever nothing was sent for ``LMSP_KEEPALIVE_SECONDS`` (time for
-    a keep-alive). For readers that speak another stream format than LMSP's."""
-    queue = hub.subscribe(task_id)
-    last = after
-    last_sent = time.monotonic()
-    try:
-        need_read = True
-        while True:
-            if need_read:
-                need_read = False
-                events = await event_reader.read_after(task_id, last)
-                for event in events:
-                    yield event
-                    last, last_sent = event.id, time.monotonic()
-                    if event.event in FINAL_EVENTS:
-                        return
-                if events:
-                    need_read = True  # there may be more than one page
-                    continue
-                if await _ended_before(task_id, last):
-                    return
-            keepalive_in = settings.LMSP_KEEPALIVE_SECONDS - (time.monotonic() - last_sent)
-            timeout = max(0.0, min(settings.LMSP_STREAM_POLL_SECONDS, keepalive_in))
-            try:
-                batch = await asyncio.wait_for(queue.get(), timeout)
-            except TimeoutError:
-                if time.monotonic() - last_sent >= settings.LMSP_KEEPALIVE_SECONDS:
-                    yield None
-                    last_sent = time.monotonic()
-                need_read = True
+    """The events ``follow`` sends, one by one (``None``: time for a keep-alive),
+    for readers that speak another stream format than LMSP's."""
+    async with aclosing(_deliveries(task_id, after)) as deliveries:
+        async for delivery in deliveries:
+            if delivery is None:
+                yield None
                 continue
-            while batch is not None:
-                for event_id, name, data in batch:
-                    if event_id <= last:
-                        continue
-                    if event_id != last + 1:
-                        need_read = True  # a gap: the database has what we missed
-                        break
-                    yield StoredEvent(event_id, name, data)
-                    last, last_sent = event_id, time.monotonic()
-                    if name in FINAL_EVENTS:
+            for event in delivery[1]:
+                yield event
+
+
+async def _deliveries(
+    task_id: str, after: int
+) -> AsyncIterator[tuple[bytes, list[StoredEvent]] | None]:
+    """What ``follow`` sends, as (frames joined in one chunk, the events they
+    carry), or None when a keep-alive is due: the frames of the window are
+    joined once for every follower standing at the same id."""
+    feed = _acquire(task_id)
+    sent = after
+    quiet_since = time.monotonic()
+    backoff = 0.2
+    parked = False
+    try:
+        while True:
+            if feed.ready and not feed.ends_at(sent):
+                if sent < feed.base:  # before the window: replay from the database
+                    if sent < feed.pruned_through:
                         return
-                batch = None if need_read or queue.empty() else queue.get_nowait()
+                    try:
+                        rows = await feed.page(sent)
+                    except READ_ERRORS as exc:
+                        log.warning("Replay of %s failed (%s); retrying", task_id, exc)
+                        rows = None
+                    if rows is not None:
+                        backoff = 0.2
+                        rows = [event for event in rows if event.id > sent]
+                        if not rows or rows[0].id != sent + 1:
+                            return  # removed by retention since the feed looked
+                        yield b"".join(sse_frame(e.id, e.event, e.data) for e in rows), rows
+                        sent, quiet_since = rows[-1].id, time.monotonic()
+                        if rows[-1].event in FINAL_EVENTS:
+                            return
+                        continue
+                elif sent < feed.last:
+                    delivery = feed.frames_after(sent), feed.events_after(sent)
+                    sent = feed.last
+                    yield delivery
+                    quiet_since = time.monotonic()
+                    continue
+            elif feed.ready:
+                return
+            quiet = time.monotonic() - quiet_since
+            if quiet >= settings.LMSP_KEEPALIVE_SECONDS:
+                yield None
+                quiet_since = time.monotonic()
+                continue
+            if feed.ready and sent < feed.base:  # a failed replay read: wait, then again
+                await asyncio.sleep(min(backoff, settings.LMSP_KEEPALIVE_SECONDS - quiet))
+                backoff = min(backoff * 2, RETRY_MAX_SECONDS)
+                continue
+            if not parked:
+                _park_request_thread()
+                parked = True
+            changed = feed.changed()
+            try:
+                async with asyncio.timeout(settings.LMSP_KEEPALIVE_SECONDS - quiet):
+                    await changed.wait()
+            except TimeoutError:
+                pass
     finally:
-        hub.unsubscribe(task_id, queue)
+        _release(feed)
 
 
-async def _ended_before(task_id: str, last: int) -> bool:
-    """True when nothing more can come: the task is final (or gone) and its
-    last event is at or before ``last``."""
-    position = await event_reader.position(task_id)
-    if position is None:
-        return True
-    return position.status in FINAL_STATUSES and position.last_event_id <= last
+def _park_request_thread() -> None:
+    """Let the thread Django keeps for this request go while the stream waits.
+
+    Django's ASGI handler runs every request in asgiref's
+    ``ThreadSensitiveContext``: the sync hooks of the middleware run in a
+    thread of the request's own, which lives until the response is sent,
+    for a stream its whole life (measured: about 45 KiB of RSS and one OS
+    thread per open stream). A waiting stream runs no sync code; should the
+    request need its thread again (closing the response), asgiref starts a
+    new one. The middleware still runs for every request, as before.
+    """
+    context = SyncToAsync.thread_sensitive_context.get(None)
+    if context is None or getattr(context, "_executor", None) is not None:
+        return  # not Django's context, or an executor someone else owns
+    executor = SyncToAsync.context_to_thread_executor.pop(context, None)
+    if executor is not None:
+        executor.shutdown(wait=False)
+
+
+# --- admission -----------------------------------------------------------------------
+
+_open_streams = 0
+_open_by_token: dict[object, int] = {}
+
+
+def admit(token_key: object) -> Callable[[], None]:
+    """Count a new stream against this process's caps, or refuse it with
+    ``503 overloaded`` and ``Retry-After``. Returns the release function
+    (safe to call more than once)."""
+    global _open_streams
+    per_token = _open_by_token.get(token_key, 0)
+    if _open_streams >= settings.LMSP_MAX_STREAMS_PER_PROCESS:
+        raise _overloaded(
+            f"This server process already serves {_open_streams} event streams; "
+            "retry later or on another connection."
+        )
+    if per_token >= settings.LMSP_MAX_STREAMS_PER_TOKEN:
+        raise _overloaded(
+            f"This token already has {per_token} open event streams here "
+            f"(at most {settings.LMSP_MAX_STREAMS_PER_TOKEN}); close one or retry later."
+        )
+    _open_streams += 1
+    _open_by_token[token_key] = per_token + 1
+    released = False
+
+    def release() -> None:
+        global _open_streams
+        nonlocal released
+        if released:
+            return
+        released = True
+        _open_streams -= 1
+        left = _open_by_token.get(token_key, 1) - 1
+        if left > 0:
+            _open_by_token[token_key] = left
+        else:
+            _open_by_token.pop(token_key, None)
+
+    return release
+
+
+def _overloaded(detail: str) -> ProblemError:
+    seconds = settings.LMSP_STREAM_RETRY_AFTER_SECONDS
+    return ProblemError("overloaded", detail, headers={"Retry-After": str(seconds)})
+
+
+def admitted_stream(task_id: str, after: int, release: Callable[[], None]) -> AsyncIterator[bytes]:
+    """``follow`` that gives its admission back when it ends, or when it is
+    dropped before it ever started (a client gone before the first byte)."""
+
+    async def frames() -> AsyncIterator[bytes]:
+        try:
+            async for frame in follow(task_id, after):
+                yield frame
+        finally:
+            release()
+
+    stream = frames()
+    weakref.finalize(stream, release)
+    return stream
+
+
+def raise_open_file_limit() -> None:
+    """Every stream holds a socket: let this process use all the descriptors
+    the system allows it, not the 1024 of a default soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1_048_576)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            log.warning("Could not raise the open-file limit from %s to %s", soft, target)

@@ -7,7 +7,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response as DRFResponse
 from rest_framework.views import APIView
 
-from accounts_app.authentication import authenticate
+from accounts_app.authentication import authenticated_token
+from accounts_app.models import ApiToken
 from lmsp_core import protocol
 from lmsp_core.errors import ProblemError
 from lmsp_core.http import check_method, csrf_free, db_call
@@ -15,8 +16,9 @@ from lmsp_core.ids import is_valid_id
 from lmsp_core.validation import integer_param, validation_problem
 
 from . import idempotency, selectors, services, task_types
+from .models import Task
 from .serializers import TaskRequestSerializer
-from .streams import SSE_HEADERS, follow
+from .streams import SSE_HEADERS, admit, admitted_stream
 
 
 class TaskCollectionView(APIView):
@@ -85,12 +87,18 @@ def resume_point(request: HttpRequest) -> int:
     return 0
 
 
+def _open_stream(request: HttpRequest, task_id: str) -> tuple[ApiToken, int, Task]:
+    """Everything a new follower needs from the database, in one borrowed
+    connection: its token (401/403), resume point (400) and task (404)."""
+    token = authenticated_token(request.headers.get("Authorization"), "tasks:read")
+    after = resume_point(request)
+    return token, after, selectors.owned_task(token.owner, task_id)
+
+
 @csrf_free
 async def task_events(request: HttpRequest, task_id: str) -> HttpResponse:
     check_method(request, ("GET",))
-    token = await authenticate(request, "tasks:read")
-    after = resume_point(request)
-    task = await db_call(selectors.owned_task, token.owner, task_id)
+    token, after, task = await db_call(_open_stream, request, task_id)
     if task.is_final and task.last_event_id <= after:
         return HttpResponse(status=204)
     if after > task.last_event_id:
@@ -108,6 +116,9 @@ async def task_events(request: HttpRequest, task_id: str) -> HttpResponse:
             task_status=task.status,
             task_url=f"/lmsp/v1/tasks/{task.id}",
         )
+    release = admit(token.pk)
     return StreamingHttpResponse(
-        follow(task.id, after), content_type="text/event-stream", headers=SSE_HEADERS
+        admitted_stream(task.id, after, release),
+        content_type="text/event-stream",
+        headers=SSE_HEADERS,
     )

@@ -29,6 +29,10 @@ STACK_SETTINGS = {
     "LMSP_KEEPALIVE_SECONDS": "1",
     # A stalled upload is answered within seconds (tests/test_hostile_input_e2e.py).
     "LMSP_BODY_TIMEOUT_SECONDS": "4",
+    # A small window and pages: replays from the database are exercised too.
+    "LMSP_STREAM_CHECK_SECONDS": "2",
+    "LMSP_STREAM_WINDOW_EVENTS": "32",
+    "LMSP_STREAM_PAGE_EVENTS": "16",
 }
 
 

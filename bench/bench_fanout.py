@@ -1,0 +1,605 @@
+"""Thousands of followers of one task on one web process: what they cost.
+
+    .venv/bin/python bench/bench_fanout.py                      # 1000 followers, 10000 idle
+    .venv/bin/python bench/bench_fanout.py --followers 5000 --idle 10000
+    .venv/bin/python bench/bench_fanout.py --followers 500 --no-baseline
+
+Three processes, so that nobody measures itself: this driver (it plays the
+model worker, writing events through ``tasks_app.lifecycle`` exactly as a
+worker does, and reads the server's RSS and PostgreSQL's counters), one web
+server (uvicorn, one process, open-file limit raised) and a lean client
+(``client`` subcommand: raw asyncio protocols reading SSE, no HTTP library).
+
+Each variant (this tree, then the baseline: commit 3effd36 exported with
+``git archive`` into ``.data/bench-baseline-<commit>`` and served from there
+with the same virtualenv, database and Redis) runs:
+
+1. N followers connect to a queued task (at most ``--connect-window`` in
+   flight): time until all of them received event 1;
+2. they idle ``--idle-seconds``: database queries per idle follower per
+   second, counted as the delta of ``pg_stat_database.xact_commit +
+   xact_rollback`` of the bench database (every stream query is one
+   autocommit transaction; the driver is idle meanwhile);
+3. the driver claims the task and writes ``--events`` deltas at ``--rate``
+   per second, one transaction each, then the final event: per-event arrival
+   spread across followers (each arrival minus that event's first arrival),
+   and how many followers got the whole contiguous stream 1..final;
+4. web RSS per follower: (RSS with N followers idle - RSS before) / N;
+5. ``--idle`` followers of another queued task held at once for
+   ``--hold-seconds``, then released by cancelling that task (new code only
+   unless ``--idle-baseline``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_DB = "lmsp_bench"
+BASELINE = "3effd36"
+STATS_SETTLE_SECONDS = 11
+
+
+def raise_nofile() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+# --- the lean client ------------------------------------------------------------------
+
+
+class SSEFollower(asyncio.Protocol):
+    """One follower on a raw socket: records when each event id arrived."""
+
+    def __init__(self, request: bytes, first: asyncio.Future) -> None:
+        self.request = request
+        self.first = first  # resolved at the first event (or on failure)
+        self.buffer = b""
+        self.head_done = False
+        self.status = 0
+        self.ids: list[int] = []
+        self.times: list[float] = []
+        self.final = False
+        self.closed = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        now = time.monotonic()
+        self.buffer += data
+        if not self.head_done:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            self.status = int(self.buffer.split(b" ", 2)[1])
+            self.buffer = self.buffer[end + 4 :]
+            self.head_done = True
+            if self.status != 200 and not self.first.done():
+                self.first.set_result(False)
+        while True:
+            end = self.buffer.find(b"\n\n")
+            if end < 0:
+                return
+            block, self.buffer = self.buffer[:end], self.buffer[end + 2 :]
+            # chunked transfer encoding puts size lines between frames: skip them
+            event_id = None
+            for line in block.split(b"\n"):
+                line = line.strip(b"\r")
+                if line.startswith(b"id: "):
+                    event_id = int(line[4:])
+                elif line.startswith(b"event: response.") and line[16:] in (
+                    b"completed",
+                    b"incomplete",
+                    b"failed",
+                    b"cancelled",
+                ):
+                    self.final = True
+            if event_id is not None:
+                self.ids.append(event_id)
+                self.times.append(now)
+                if not self.first.done():
+                    self.first.set_result(True)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.first.done():
+            self.first.set_result(False)
+        if not self.closed.done():
+            self.closed.set_result(True)
+
+
+async def run_client(args: argparse.Namespace) -> None:
+    raise_nofile()
+    loop = asyncio.get_running_loop()
+    request = (
+        f"GET {args.path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Authorization: Bearer {args.token}\r\nAccept: text/event-stream\r\n\r\n"
+    ).encode()
+    followers: list[SSEFollower] = []
+    window = asyncio.Semaphore(args.connect_window)
+    started = time.monotonic()
+
+    async def connect() -> None:
+        async with window:
+            first = loop.create_future()
+            try:
+                _, protocol = await loop.create_connection(
+                    lambda: SSEFollower(request, first), "127.0.0.1", args.port
+                )
+            except OSError:
+                return
+            followers.append(protocol)
+            await first
+
+    await asyncio.gather(*(connect() for _ in range(args.n)))
+    ok = sum(1 for f in followers if f.status == 200 and f.ids)
+    emit({"connected": ok, "seconds": time.monotonic() - started})
+    # Wait for the driver: "hold" (report how many are still open) or "end".
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while True:
+        line = (await reader.readline()).decode().strip()
+        if line == "open":
+            emit({"open": sum(1 for f in followers if not f.closed.done())})
+        elif line == "end" or not line:
+            break
+    deadline = time.monotonic() + args.end_timeout
+    for follower in followers:
+        remaining = deadline - time.monotonic()
+        if remaining > 0 and not follower.closed.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(follower.closed), remaining)
+            except TimeoutError:
+                pass
+    whole = 0
+    arrivals: dict[int, list[float]] = {}
+    for follower in followers:
+        if follower.final and follower.ids == list(range(1, len(follower.ids) + 1)):
+            whole += 1
+        for event_id, moment in zip(follower.ids, follower.times, strict=True):
+            arrivals.setdefault(event_id, []).append(moment)
+    emit(
+        {
+            "whole": whole,
+            "followers": len(followers),
+            "arrivals": {str(k): v for k, v in arrivals.items()},
+        }
+    )
+
+
+def emit(value: dict) -> None:
+    sys.stdout.write(json.dumps(value) + "\n")
+    sys.stdout.flush()
+
+
+# --- the driver ---------------------------------------------------------------------
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] if ordered else 0.0
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+class Client:
+    def __init__(self, port: int, token: str, path: str, n: int, args: argparse.Namespace) -> None:
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "client",
+                "--port",
+                str(port),
+                "--token",
+                token,
+                "--path",
+                path,
+                "--n",
+                str(n),
+                "--connect-window",
+                str(args.connect_window),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def read(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError("the client exited")
+        return json.loads(line)
+
+    def send(self, command: str) -> None:
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+
+    def finish(self) -> dict:
+        self.send("end")
+        result = self.read()
+        self.process.wait(60)
+        return result
+
+
+def main_driver(args: argparse.Namespace) -> None:
+    raise_nofile()
+    sys.path.insert(0, str(ROOT))
+    from lmsp_project.devstack import services
+
+    with services() as env:
+        os.environ.update(env)
+        bench_url = prepare_database(env["DATABASE_URL"])
+        os.environ["DATABASE_URL"] = bench_url
+        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lmsp_project.settings")
+        import django
+
+        django.setup()
+        variants = [("this branch", ROOT)]
+        if args.baseline:
+            variants.append((f"baseline {BASELINE}", export_baseline()))
+        results = []
+        for name, tree in variants:
+            idle = args.idle if (tree == ROOT or args.idle_baseline) else 0
+            results.append((name, run_variant(name, tree, args, idle)))
+        if args.floor:
+            results.append(("floors (no lmsp stream code)", floors(args)))
+        print()
+        print(
+            f"followers={args.followers} events={args.events} rate={args.rate}/s "
+            f"idle-seconds={args.idle_seconds} load={os.getloadavg()[0]:.1f}"
+        )
+        for name, figures in results:
+            print(f"--- {name}")
+            for line in figures:
+                print("  " + line)
+
+
+def prepare_database(url: str) -> str:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        exists = conn.execute(
+            "SELECT 1 FROM pg_database WHERE datname = %s", (BENCH_DB,)
+        ).fetchone()
+        if not exists:
+            conn.execute(f"CREATE DATABASE {BENCH_DB}")
+    bench_url = url.replace("/lmsp?", f"/{BENCH_DB}?")
+    subprocess.run(
+        [sys.executable, "manage.py", "migrate", "--no-input", "-v", "0"],
+        cwd=ROOT,
+        env={**os.environ, "DATABASE_URL": bench_url},
+        check=True,
+    )
+    return bench_url
+
+
+def export_baseline() -> Path:
+    tree = ROOT / ".data" / f"bench-baseline-{BASELINE}"
+    if not (tree / "manage.py").exists():
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(
+            ["git", "archive", BASELINE], cwd=ROOT, capture_output=True, check=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
+SERVER_BOOT = (
+    "import resource, sys; s, h = resource.getrlimit(resource.RLIMIT_NOFILE); "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (h, h)); "
+    "import uvicorn.main; sys.argv[0] = 'uvicorn'; uvicorn.main.main()"
+)
+
+
+def start_server(
+    tree: Path, port: int, app: str = "lmsp_project.asgi:application", **extra: str
+) -> subprocess.Popen:
+    from lmsp_project.devstack import DATA
+
+    log = open(DATA / f"bench-web-{port}.log", "w")  # noqa: SIM115 - the child holds it
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(tree),
+        "LMSP_MODEL_CACHE": str(DATA / "models"),
+        "LMSP_MAX_STREAMS_PER_TOKEN": "100000",
+        "LMSP_MAX_STREAMS_PER_PROCESS": "100000",
+        "LMSP_LOG_LEVEL": "WARNING",
+        "PYTHONUNBUFFERED": "1",
+        **extra,
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-c", SERVER_BOOT, app]
+        + [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-access-log",
+            "--backlog",
+            "4096",
+            "--timeout-graceful-shutdown",
+            "3",
+        ],
+        cwd=tree,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    import httpx
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/lmsp/v1/tasks/x/events", timeout=0.5)
+            return process
+        except httpx.ReadTimeout:
+            return process  # the floors' endpoint answers and then waits
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    process.kill()
+    raise RuntimeError(f"the web server did not start; see {log.name}")
+
+
+def counters() -> tuple[int, int]:
+    """(transactions, scans of the tables streams read) of the bench database.
+
+    Transactions (``pg_stat_database.xact_commit + xact_rollback``) count
+    every statement of the server's autocommit connections but also
+    autovacuum's work; scans (``seq_scan + idx_scan`` in
+    ``pg_stat_user_tables`` of the task, event and token tables) count only
+    reads of what streams read (a position, events, a token)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute(
+            "SELECT xact_commit + xact_rollback FROM pg_stat_database"
+            " WHERE datname = current_database()"
+        )
+        transactions = cursor.fetchone()[0]
+        cursor.execute(
+            "SELECT sum(coalesce(seq_scan, 0) + coalesce(idx_scan, 0)) FROM pg_stat_user_tables"
+            " WHERE relname IN ('tasks_app_task', 'tasks_app_event', 'accounts_app_apitoken')"
+        )
+        scans = int(cursor.fetchone()[0])
+    return transactions, scans
+
+
+def run_variant(name: str, tree: Path, args: argparse.Namespace, idle_n: int) -> list[str]:
+    import httpx
+
+    from accounts_app.services import create_token
+    from lmsp_project.devstack import free_port
+
+    print(f"=== {name}: {tree}", flush=True)
+    token = create_token(username="bench", scopes=["tasks:read", "tasks:write"]).secret
+    port = free_port()
+    server = start_server(tree, port)
+    api = httpx.Client(
+        base_url=f"http://127.0.0.1:{port}",
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=60,
+    )
+    lines: list[str] = []
+    try:
+        task_id = create_queued_task(api)
+        read_once = api.get(f"/lmsp/v1/tasks/{task_id}", timeout=10)  # warm the server up
+        assert read_once.status_code == 200
+        time.sleep(1)
+        rss_before = rss_kib(server.pid)
+        n = args.followers
+        client = Client(port, token, f"/lmsp/v1/tasks/{task_id}/events", n, args)
+        connected = client.read()
+        print(f"  connected {connected}", flush=True)
+        time.sleep(1.5)
+        rss_after = rss_kib(server.pid)
+        # A backend that goes idle less than a second after its last report
+        # keeps its counts up to 10 s (PostgreSQL's PGSTAT_IDLE_INTERVAL):
+        # let the connect phase's counts arrive before the first reading, and
+        # the idle phase's before the second (which then spans up to 11 s more
+        # of idling, counted against the idle seconds: an overestimate).
+        time.sleep(STATS_SETTLE_SECONDS)
+        before = counters()
+        time.sleep(args.idle_seconds)
+        time.sleep(STATS_SETTLE_SECONDS)
+        after = counters()
+        transactions = after[0] - before[0] - 3  # less the driver's own reading
+        scans = after[1] - before[1]
+        commits = write_events(task_id, args)
+        result = client.finish()
+        spreads, worst = spread(result["arrivals"], commits)
+        lines += [
+            f"whole contiguous streams: {result['whole']}/{n}",
+            f"time to connect all {n}: {connected['seconds']:.2f} s "
+            f"({connected['connected']} connected)",
+            f"per-event arrival spread: p50 {spreads[0] * 1000:.0f} ms, "
+            f"p99 {spreads[1] * 1000:.0f} ms (worst event {worst * 1000:.0f} ms)",
+            f"web RSS per follower: {(rss_after - rss_before) / n:.1f} KiB "
+            f"({rss_before / 1024:.0f} -> {rss_after / 1024:.0f} MiB)",
+            f"database queries per idle follower per second: "
+            f"{scans / n / args.idle_seconds:.4f} "
+            f"({scans} scans of the task/event/token tables in {args.idle_seconds:.0f} s; "
+            f"{transactions} transactions in the database, autovacuum included)",
+        ]
+        if idle_n:
+            lines.append(hold_idle(api, port, token, idle_n, args, server.pid))
+    finally:
+        server.terminate()
+        server.wait(30)
+    for line in lines:
+        print("  " + line, flush=True)
+    return lines
+
+
+def floors(args: argparse.Namespace) -> list[str]:
+    """RSS per idle connection of a bare ASGI app and of Django alone."""
+    from lmsp_project.devstack import free_port
+
+    lines = []
+    n = args.followers
+    path = str(ROOT / "bench") + os.pathsep + str(ROOT)
+    for name, app, extra in [
+        ("bare ASGI app under uvicorn", "fanout_floor:bare_app", {}),
+        (
+            "Django + project middleware, trivial streaming view",
+            "lmsp_project.asgi:application",
+            {"DJANGO_SETTINGS_MODULE": "fanout_floor"},
+        ),
+        (
+            "the same, the request's thread let go (as streams do)",
+            "lmsp_project.asgi:application",
+            {"DJANGO_SETTINGS_MODULE": "fanout_floor", "LMSP_FLOOR_PARK": "1"},
+        ),
+    ]:
+        port = free_port()
+        server = start_server(ROOT, port, app, PYTHONPATH=path, **extra)
+        try:
+            time.sleep(1)
+            rss_before = rss_kib(server.pid)
+            client = Client(port, "none", "/lmsp/v1/tasks/x/events", n, args)
+            connected = client.read()
+            time.sleep(1.5)
+            rss_after = rss_kib(server.pid)
+            client.process.kill()
+            client.process.wait(10)
+        finally:
+            server.terminate()
+            server.wait(30)
+        lines.append(
+            f"{name}: {(rss_after - rss_before) / n:.1f} KiB RSS per idle connection, "
+            f"{connected['connected']}/{n} connected in {connected['seconds']:.2f} s"
+        )
+        print("  " + lines[-1], flush=True)
+    return lines
+
+
+def create_queued_task(api) -> str:  # noqa: ANN001
+    body = {
+        "type": "response",
+        "request": {
+            "model": "smollm2:135m",
+            "input": [
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "x"}],
+                }
+            ],
+            "max_output_tokens": 4,
+        },
+    }
+    answer = api.post("/lmsp/v1/tasks", json=body)
+    assert answer.status_code == 202, answer.text
+    return answer.json()["id"]
+
+
+def write_events(task_id: str, args: argparse.Namespace) -> dict[int, float]:
+    """Play the worker: claim, one transaction per delta at ``rate``, then finish."""
+    from lmsp_core import protocol
+    from tasks_app import lifecycle
+    from tasks_app.models import Task
+
+    task = lifecycle.claim(task_id, "bench-driver")
+    response_id = task.response_id
+    item = "msg_bench"
+    commits: dict[int, float] = {}
+    events = [protocol.item_added_event(response_id, 0, protocol.message_item(item, None))]
+    text = ""
+    for index in range(args.events):
+        started = time.monotonic()
+        delta = f" word{index}"
+        text += delta
+        events.append(protocol.text_delta_event(response_id, item, delta))
+        lifecycle.record_progress(task_id, task.attempt, events, {})
+        commits[Task.objects.get(id=task_id).last_event_id] = time.monotonic()
+        events = []
+        time.sleep(max(0.0, 1 / args.rate - (time.monotonic() - started)))
+    message = protocol.message_item(item, text)
+    lifecycle.finish(
+        task_id,
+        task.attempt,
+        [
+            protocol.item_done_event(response_id, 0, message),
+            protocol.completed_event(response_id, protocol.usage(1, args.events)),
+        ],
+        lifecycle.Outcome(status="completed", output=[message], output_tokens=args.events),
+    )
+    return commits
+
+
+def spread(arrivals: dict[str, list[float]], commits: dict[int, float]) -> tuple:
+    """(p50, p99) of arrival minus the event's first arrival, and the worst event."""
+    delays: list[float] = []
+    worst = 0.0
+    for event_id in commits:
+        moments = arrivals.get(str(event_id), [])
+        if not moments:
+            continue
+        first = min(moments)
+        delays += [moment - first for moment in moments]
+        worst = max(worst, max(moments) - first)
+    return (percentile(delays, 0.5), percentile(delays, 0.99)), worst
+
+
+def hold_idle(api, port: int, token: str, n: int, args, pid: int) -> str:  # noqa: ANN001
+    task_id = create_queued_task(api)
+    rss_before = rss_kib(pid)
+    client = Client(port, token, f"/lmsp/v1/tasks/{task_id}/events", n, args)
+    connected = client.read()
+    print(f"  idle connected {connected}", flush=True)
+    rss_after = rss_kib(pid)
+    time.sleep(args.hold_seconds)
+    client.send("open")
+    still_open = client.read()["open"]
+    api.post(f"/lmsp/v1/tasks/{task_id}/cancel")
+    result = client.finish()
+    return (
+        f"idle followers held: {still_open}/{n} open after {args.hold_seconds:.0f} s "
+        f"(connected in {connected['seconds']:.1f} s, "
+        f"{(rss_after - rss_before) / n:.1f} KiB RSS each, "
+        f"{result['whole']} whole streams after the cancel)"
+    )
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "client":
+        parser = argparse.ArgumentParser()
+        parser.add_argument("client")
+        parser.add_argument("--port", type=int, required=True)
+        parser.add_argument("--token", required=True)
+        parser.add_argument("--path", required=True)
+        parser.add_argument("--n", type=int, required=True)
+        parser.add_argument("--connect-window", type=int, default=200)
+        parser.add_argument("--end-timeout", type=float, default=120)
+        asyncio.run(run_client(parser.parse_args()))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--followers", type=int, default=1000)
+    parser.add_argument("--idle", type=int, default=10000, help="idle followers held (0: skip)")
+    parser.add_argument("--events", type=int, default=40)
+    parser.add_argument("--rate", type=float, default=10.0, help="events written per second")
+    parser.add_argument("--idle-seconds", type=float, default=10.0)
+    parser.add_argument("--hold-seconds", type=float, default=10.0)
+    parser.add_argument("--connect-window", type=int, default=200)
+    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--idle-baseline", action="store_true")
+    parser.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True)
+    main_driver(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

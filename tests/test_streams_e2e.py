@@ -1,0 +1,353 @@
+"""Event streams under failure and at scale, on the real stack: idle followers
+cost the database nothing while Redis is up, streams outlive PostgreSQL and
+Redis restarts, a failed database read never cancels a direct generation,
+retention under a reader ends its stream, and the stream caps answer problem
+documents."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from django.db import connection, connections, transaction
+
+from tasks_app.models import UsageRecord
+from tasks_app.retention import prune_events
+
+from .conftest import LONG_STORY, make_token, parse_sse, request_body, user_message
+from .stack import Proc
+from .test_tasks_e2e import create_task, read_events, wait_for, wait_for_events
+
+pytestmark = pytest.mark.e2e
+
+FINAL_EVENTS = {
+    "response.completed",
+    "response.incomplete",
+    "response.failed",
+    "response.cancelled",
+}
+
+
+@pytest.fixture
+def restart_after(stack):
+    """Whatever a test stops (Redis, PostgreSQL, a process) runs again afterwards."""
+    yield
+    if stack.redis is None or stack.redis.poll() is not None:
+        stack.start_redis()
+    if not _postgres_running():
+        _pg_start()
+    connections.close_all()
+    for proc in (stack.web, stack.worker, stack.ops):
+        if proc.process is None or proc.process.poll() is not None:
+            proc.start()
+
+
+class Follower(threading.Thread):
+    """One client reading an event stream to its end, in a thread."""
+
+    def __init__(self, stack, token: str, path: str, method: str = "GET", **kwargs) -> None:
+        super().__init__(daemon=True)
+        self.stack, self.token, self.path, self.method, self.kwargs = (
+            stack,
+            token,
+            path,
+            method,
+            kwargs,
+        )
+        self.events: list[dict] = []
+        self.status: int | None = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with self.stack.client(self.token) as client:
+                with client.stream(self.method, self.path, **self.kwargs) as answer:
+                    self.status = answer.status_code
+                    buffer = ""
+                    for chunk in answer.iter_text():
+                        buffer += chunk
+                        *blocks, buffer = buffer.split("\n\n")
+                        if blocks:
+                            self.events += parse_sse("\n\n".join(blocks) + "\n\n")
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+
+    def wait_for(self, count: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.events) < count:
+            assert self.is_alive() or len(self.events) >= count, (self.status, self.error)
+            assert time.monotonic() < deadline, f"{len(self.events)} events, not {count}"
+            time.sleep(0.05)
+
+    def finish(self, timeout: float = 180) -> list[dict]:
+        self.join(timeout)
+        assert not self.is_alive(), "the stream did not end"
+        assert self.error is None, self.error
+        assert self.status == 200
+        return self.events
+
+
+def assert_contiguous(events: list[dict], task: dict) -> None:
+    assert [e["id"] for e in events] == list(range(1, len(events) + 1))
+    assert events[-1]["event"] == f"response.{task['status']}"
+    assert events[-1]["id"] == task["last_event_id"]
+
+
+# --- the embedded PostgreSQL, stopped and started for real ------------------------
+
+
+def _pgdata() -> Path:
+    host = Path(connection.settings_dict["HOST"] or "/nonexistent")
+    assert (host / "PG_VERSION").exists(), "these tests restart the embedded PostgreSQL"
+    return host
+
+
+def _pg_ctl(*args: str) -> None:
+    from pgserver._commands import pg_ctl
+
+    # As root, pgserver runs PostgreSQL as its own system user (NOTES.md).
+    user = "pgserver" if os.geteuid() == 0 else None
+    pg_ctl(list(args), pgdata=_pgdata(), user=user, timeout=60)
+
+
+def _postgres_running() -> bool:
+    pid_file = _pgdata() / "postmaster.pid"
+    return pid_file.exists()
+
+
+def _pg_stop() -> None:
+    connections.close_all()
+    _pg_ctl("-w", "-m", "fast", "stop")
+
+
+def _pg_start() -> None:
+    pgdata = _pgdata()
+    _pg_ctl("-w", "-o", '-h ""', "-o", f"-k {pgdata}", "-l", str(pgdata / "log"), "start")
+    connections.close_all()
+
+
+def _log_reads() -> int:
+    """Scans of the task and event tables so far: every read a stream makes
+    (its task's position, its events) is one; autovacuum and the test's
+    own bookkeeping are not."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute(
+            "SELECT sum(coalesce(seq_scan, 0) + coalesce(idx_scan, 0)) FROM pg_stat_user_tables"
+            " WHERE relname IN ('tasks_app_task', 'tasks_app_event')"
+        )
+        return int(cursor.fetchone()[0])
+
+
+def _reads_during(seconds: float) -> int:
+    """Reads in a window of ``seconds`` (give or take the 11 s of settling:
+    a backend idle less than a second after its last report keeps its counts
+    up to 10 s, PostgreSQL's PGSTAT_IDLE_INTERVAL)."""
+    time.sleep(11)
+    before = _log_reads()
+    time.sleep(seconds)
+    time.sleep(11)
+    return _log_reads() - before
+
+
+# --- tests ---------------------------------------------------------------------------
+
+
+def test_idle_followers_make_no_queries_until_redis_goes_away(api, stack, token, restart_after):
+    stack.worker.stop()  # the task stays queued: its followers are idle
+    stack.ops.stop()  # and no sweeper queries meanwhile
+    task = create_task(api, max_output_tokens=4)
+    followers = [Follower(stack, token, f"/lmsp/v1/tasks/{task['id']}/events") for _ in range(40)]
+    for follower in followers:
+        follower.wait_for(1)
+    # With Redis up, 40 idle followers over 15 s between the readings:
+    # the task's safety check (LMSP_STREAM_CHECK_SECONDS is 2 on the test
+    # stack) at most, nothing per follower (before the feeds: two reads per
+    # follower per second, over 1000 here).
+    idle = _reads_during(4)
+    assert idle <= 12, f"{idle} reads of the log by 40 idle followers"  # ~8 checks
+
+    stack.stop_redis()
+    polled = _reads_during(4)  # the task's feed now reads the database itself
+    assert polled >= 8, f"only {polled} reads while Redis was down"
+    # per task (about one a second here), not per follower (80 a second before)
+    assert polled < 40 * 15, f"{polled} reads while Redis was down"
+    answer = api.post(f"/lmsp/v1/tasks/{task['id']}/cancel")  # published to nobody
+    assert answer.status_code == 200
+    done = wait_for(api, task["id"])
+    for follower in followers:
+        events = follower.finish(60)
+        assert [e["event"] for e in events] == ["response.created", "response.cancelled"]
+        assert_contiguous(events, done)
+
+
+def test_stream_survives_postgres_and_redis_restarts(api, stack, token, restart_after):
+    # PostgreSQL restarts while the followers wait (a running worker would
+    # fail its task on a lost connection: that is the worker's business, not
+    # the stream's); Redis restarts while the events flow.
+    stack.worker.stop()
+    task = create_task(api, input=[user_message(LONG_STORY)], max_output_tokens=200)
+    path = f"/lmsp/v1/tasks/{task['id']}/events"
+    followers = [Follower(stack, token, path) for _ in range(3)]
+    followers[0].wait_for(1)
+    _pg_stop()
+    time.sleep(3)  # the feed's checks fail meanwhile
+    _pg_start()
+    stack.worker.start()
+    followers[0].wait_for(10, timeout=120)  # events flow after the restart
+    stack.stop_redis()  # the hub loses its subscription, the worker its publishing
+    time.sleep(2)
+    stack.start_redis()
+    done = wait_for(api, task["id"], timeout=300)
+    replay = read_events(api, task["id"])
+    assert_contiguous(replay, done)
+    for follower in followers:
+        assert follower.finish() == replay  # every event once, in order, across both restarts
+    assert len(replay) > 20
+
+
+def test_direct_stream_is_not_cancelled_when_its_database_reads_fail(
+    api, stack, token, restart_after
+):
+    stack.worker.stop()  # queued: the stream waits, reading only the database
+    log_offset = stack.web.log_path.stat().st_size
+    stream = Follower(
+        stack,
+        token,
+        "/lmsp/v1/responses",
+        method="POST",
+        json=request_body(stream=True, max_output_tokens=8),
+    )
+    stream.wait_for(1)
+    _pg_stop()
+    time.sleep(4)  # the feed's checks (every 2 s here) fail meanwhile
+    _pg_start()
+    with open(stack.web.log_path) as log:
+        log.seek(log_offset)
+        assert "could not read the database" in log.read()
+    stack.worker.start()
+    events = stream.finish()
+    assert events[-1]["event"] in ("response.completed", "response.incomplete")
+    assert [e["id"] for e in events] == list(range(1, len(events) + 1))
+    # delivered, so the store: false response is gone; its accounting stays
+    usage = UsageRecord.objects.get(response_id=events[0]["data"]["response_id"])
+    assert usage.status == events[-1]["data"]["status"]
+
+
+def test_pruning_under_a_reader_ends_its_stream_and_the_reconnect_gets_410(api, stack, token):
+    task = wait_for(api, create_task(api, max_output_tokens=4)["id"])
+    path = f"/lmsp/v1/tasks/{task['id']}/events"
+    with transaction.atomic():
+        # The reader passes the 410 check (tasks are not locked), then its
+        # read of the events waits for this transaction, which prunes them.
+        with connection.cursor() as cursor:
+            cursor.execute("LOCK TABLE tasks_app_event IN ACCESS EXCLUSIVE MODE")
+        reader = Follower(stack, token, path)
+        deadline = time.monotonic() + 30
+        while not _reader_waits_for_lock():
+            assert time.monotonic() < deadline, "the reader never read the events"
+            time.sleep(0.05)
+        assert prune_events(older_than=0) == task["last_event_id"]
+    events = reader.finish(30)
+    assert not any(e["event"] in FINAL_EVENTS for e in events)  # it ended, unfinished
+    last_seen = events[-1]["id"] if events else 0
+    again = api.get(path, headers={"Last-Event-ID": str(last_seen)})
+    assert again.status_code == 410
+    assert again.json()["code"] == "event_history_expired"
+
+
+def _reader_waits_for_lock() -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")  # fresh inside our transaction
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND query LIKE '%%tasks_app_event%%' AND pid <> pg_backend_pid()"
+        )
+        return cursor.fetchone()[0] > 0
+
+
+def _raw_stream(port: int, token: str, path: str) -> tuple[socket.socket, int, str]:
+    """An event stream held open on a plain socket: (socket, status, head)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(
+        f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n\r\n".encode()
+    )
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed before the answer"
+        head += chunk
+    text = head.decode("latin-1")
+    return sock, int(text.split(" ", 2)[1]), text
+
+
+def test_stream_caps_answer_overloaded_problem_documents(api, stack, token, restart_after):
+    from lmsp_project.devstack import free_port
+
+    stack.worker.stop()  # the task stays queued: its streams stay open
+    task = create_task(api, max_output_tokens=4)
+    path = f"/lmsp/v1/tasks/{task['id']}/events"
+    port = free_port()
+    capped = Proc(
+        f"web-capped-{port}",
+        [*stack.web.argv[:-5], "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
+        {**stack.env, "LMSP_MAX_STREAMS_PER_TOKEN": "2", "LMSP_MAX_STREAMS_PER_PROCESS": "3"},
+        ready="Application startup complete",
+    )
+    capped.start()
+    other = make_token("bob")
+    try:
+        first, second = (_raw_stream(port, token, path) for _ in range(2))
+        assert first[1] == second[1] == 200
+        sock, status, head = _raw_stream(port, token, path)
+        assert status == 503, head
+        assert "application/problem+json" in head and "retry-after: 5" in head.lower()
+        assert '"code":"overloaded"' in head.replace(" ", "") or b"overloaded" in sock.recv(65536)
+        sock.close()
+        # another owner's token: not per-token, but the process is full after one more
+        bob_task = _create_as(stack, other)
+        bob_path = f"/lmsp/v1/tasks/{bob_task}/events"
+        third = _raw_stream(port, other, bob_path)
+        assert third[1] == 200
+        sock, status, head = _raw_stream(port, other, bob_path)
+        assert status == 503 and "retry-after" in head.lower()
+        sock.close()
+        # a closed stream gives its place back
+        first[0].close()
+        deadline = time.monotonic() + 20
+        while True:
+            sock, status, head = _raw_stream(port, token, path)
+            if status == 200:
+                sock.close()
+                break
+            sock.close()
+            assert time.monotonic() < deadline, "a closed stream kept its place"
+            time.sleep(0.2)
+        for held in (second, third):
+            held[0].close()
+    finally:
+        capped.stop()
+
+
+def _create_as(stack, token: str) -> str:
+    with stack.client(token) as client:
+        return create_task(client, max_output_tokens=4)["id"]
+
+
+def test_late_joiner_replays_a_long_history_in_pages(api, stack, token):
+    # The stack keeps a window of 32 events and pages of 16: a follower from 0
+    # replays most of this task from the database, page by page.
+    task = create_task(api, input=[user_message(LONG_STORY)], max_output_tokens=120)
+    wait_for_events(task["id"], 60, timeout=240)  # a loaded machine generates slowly
+    early = Follower(stack, token, f"/lmsp/v1/tasks/{task['id']}/events")
+    late = [Follower(stack, token, f"/lmsp/v1/tasks/{task['id']}/events") for _ in range(5)]
+    done = wait_for(api, task["id"], timeout=180)
+    first = early.finish()
+    assert_contiguous(first, done)
+    for follower in late:
+        assert follower.finish() == first
