@@ -118,6 +118,9 @@ def prepare_manage_py(argv: list[str]) -> None:
     embedded PostgreSQL started for the command."""
     if os.environ.get("DATABASE_URL"):
         return
+    # The embedded services are a development set-up: the built-in secret key
+    # is fine for them (settings refuse it for an outside database).
+    os.environ.setdefault("LMSP_DEVELOPMENT", "1")
     running = recorded()
     for name, url in running.items():
         os.environ.setdefault(name, url)
