@@ -22,9 +22,10 @@ from collections.abc import AsyncIterator
 
 from django.conf import settings
 
-from lmsp_core.protocol import FINAL_EVENTS, KEEPALIVE_FRAME, sse_frame
+from lmsp_core.http import db_call
+from lmsp_core.protocol import FINAL_EVENTS, KEEPALIVE_FRAME, queued_frame, sse_frame
 
-from . import event_reader
+from . import event_reader, fairness
 from .models import FINAL_STATUSES
 from .notify import hub
 
@@ -36,7 +37,8 @@ SSE_HEADERS = {
 
 async def follow(task_id: str, after: int) -> AsyncIterator[bytes]:
     """Frames of every event after ``after``, live ones included, until the
-    final event; ``: keep-alive`` comments while nothing else is sent."""
+    final event; keep-alive comments while nothing else is sent (``: queued N``
+    while the task waits in its queue)."""
     queue = hub.subscribe(task_id)
     last = after
     last_sent = time.monotonic()
@@ -62,7 +64,7 @@ async def follow(task_id: str, after: int) -> AsyncIterator[bytes]:
                 batch = await asyncio.wait_for(queue.get(), timeout)
             except TimeoutError:
                 if time.monotonic() - last_sent >= settings.LMSP_KEEPALIVE_SECONDS:
-                    yield KEEPALIVE_FRAME
+                    yield await keepalive_frame(task_id)
                     last_sent = time.monotonic()
                 need_read = True
                 continue
@@ -80,6 +82,13 @@ async def follow(task_id: str, after: int) -> AsyncIterator[bytes]:
                 batch = None if need_read or queue.empty() else queue.get_nowait()
     finally:
         hub.unsubscribe(task_id, queue)
+
+
+async def keepalive_frame(task_id: str) -> bytes:
+    """``: queued N`` (its queue position) while the task waits for a worker,
+    ``: keep-alive`` otherwise."""
+    position = await db_call(fairness.queue_position_of, task_id)
+    return KEEPALIVE_FRAME if position is None else queued_frame(position)
 
 
 async def _ended_before(task_id: str, last: int) -> bool:
