@@ -27,21 +27,21 @@ Queue position: 1 + the queued tasks of the model ahead of it in that
 order. A new owner's task can take a place ahead of tasks already waiting
 (that is what fairness means), which would move them back; a position once
 reported is a promise, so the reported one is the lowest seen in this stay
-in the queue (``Task.reported_position``, lowered in one UPDATE): it never
-goes up, and it can be ahead of the exact order while newcomers are served.
-It starts afresh when a task is queued again (a lost worker, a re-queue).
+in the queue (``QueuePosition``, lowered in one statement): it never goes
+up, and it can be ahead of the exact order while newcomers are served. It
+starts afresh when a task is queued again (a lost worker, a re-queue).
 """
 
 from __future__ import annotations
 
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.db import connection
-from django.db.models import F, Max
+from django.db.models import F, Max, Q
 
 from lmsp_core.status import Status
 
 from . import quotas
-from .models import ModelClock, Task
+from .models import ModelClock, QueuePosition, Task
 
 LIVE = (Status.QUEUED, Status.IN_PROGRESS)
 FAIR_ORDER = ("fair_key", "created_at", "id")
@@ -70,7 +70,9 @@ def take_fairest(model: str) -> Task | None:
     passed_over: set[int] = set()  # owners at their running quota
     while True:
         task = (
-            Task.objects.select_for_update(skip_locked=True, of=("self",))
+            # NO KEY UPDATE: rows only key-shared (an event or a position
+            # being written for the task) are not skipped.
+            Task.objects.select_for_update(skip_locked=True, no_key=True, of=("self",))
             .filter(model=model, status=Status.QUEUED)
             .exclude(owner_id__in=passed_over)
             .order_by(*FAIR_ORDER)
@@ -87,21 +89,38 @@ def take_fairest(model: str) -> Task | None:
     return task
 
 
-# One statement: the rank in the fair order among the model's queued tasks,
-# lowered into reported_position (never raised), returned; no row when the
-# task is not queued.
+# One statement: the task's rank in the fair order among its model's queued
+# tasks, kept in its QueuePosition row unless a lower one was reported
+# before, and returned; no row when the task is not queued. Only the
+# QueuePosition row is written: the task row a claim wants stays unlocked.
 POSITION_SQL = """
-UPDATE tasks_app_task AS t
-   SET reported_position = LEAST(COALESCE(t.reported_position, ahead.n + 1), ahead.n + 1)
-  FROM (SELECT count(q.id) AS n
-          FROM tasks_app_task AS me
-          JOIN tasks_app_task AS q
-            ON q.model = me.model AND q.status = %(queued)s
-           AND (q.fair_key, q.created_at, q.id) < (me.fair_key, me.created_at, me.id)
-         WHERE me.id = %(id)s) AS ahead
- WHERE t.id = %(id)s AND t.status = %(queued)s
-RETURNING t.reported_position
+WITH me AS (
+    SELECT id, model, fair_key, created_at
+      FROM tasks_app_task WHERE id = %(id)s AND status = %(queued)s
+), ranked AS (
+    SELECT me.id, count(q.id) + 1 AS rank
+      FROM me LEFT JOIN tasks_app_task AS q
+        ON q.model = me.model AND q.status = %(queued)s
+       AND (q.fair_key, q.created_at, q.id) < (me.fair_key, me.created_at, me.id)
+     GROUP BY me.id
+)
+INSERT INTO tasks_app_queueposition (task_id, reported)
+SELECT id, rank FROM ranked
+ON CONFLICT (task_id) DO UPDATE
+   SET reported = LEAST(tasks_app_queueposition.reported, EXCLUDED.reported)
+RETURNING reported
 """
+
+
+def rank(task: Task) -> int:
+    """The exact place of a queued task in its model's fair order now (1: next),
+    as an operator sees it; clients are told ``queue_position`` instead."""
+    ahead = Task.objects.filter(model=task.model, status=Status.QUEUED).filter(
+        Q(fair_key__lt=task.fair_key)
+        | Q(fair_key=task.fair_key, created_at__lt=task.created_at)
+        | Q(fair_key=task.fair_key, created_at=task.created_at, id__lt=task.id)
+    )
+    return ahead.count() + 1
 
 
 def queue_position_of(task_id: str) -> int | None:
@@ -111,6 +130,12 @@ def queue_position_of(task_id: str) -> int | None:
         cursor.execute(POSITION_SQL, {"id": task_id, "queued": Status.QUEUED.value})
         row = cursor.fetchone()
     return row[0] if row else None
+
+
+def forget_position(task_id: str) -> None:
+    """The task leaves the queue (claimed) or enters it again (re-queued): its
+    next stay reports positions afresh."""
+    QueuePosition.objects.filter(task_id=task_id).delete()
 
 
 def queue_position(task: Task) -> int | None:

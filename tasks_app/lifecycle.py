@@ -108,17 +108,8 @@ def claim(task_id: str, worker: str) -> Task | None:
     task.worker = worker
     task.started_at = task.started_at or now
     task.lease_expires_at = _lease_deadline()
-    task.reported_position = None
-    task.save(
-        update_fields=[
-            "status",
-            "attempt",
-            "worker",
-            "started_at",
-            "lease_expires_at",
-            "reported_position",
-        ]
-    )
+    task.save(update_fields=["status", "attempt", "worker", "started_at", "lease_expires_at"])
+    fairness.forget_position(task.id)
     return task
 
 
@@ -288,16 +279,8 @@ def sweep() -> SweepReport:
                 task.worker = ""
                 task.lease_expires_at = None
                 task.enqueued_at = now
-                task.reported_position = None
-                task.save(
-                    update_fields=[
-                        "status",
-                        "worker",
-                        "lease_expires_at",
-                        "enqueued_at",
-                        "reported_position",
-                    ]
-                )
+                task.save(update_fields=["status", "worker", "lease_expires_at", "enqueued_at"])
+                fairness.forget_position(task.id)
                 enqueue_on_commit(task, declared_models()[task.model].queue)
                 report.requeued.append(task.id)
     stale = now - timedelta(seconds=settings.LMSP_REQUEUE_AFTER_SECONDS)
@@ -334,8 +317,8 @@ def requeue_failed(task_id: str) -> Task:
     task.cancel_requested = False
     task.checkpoint = None
     task.enqueued_at = timezone.now()
-    task.reported_position = None
     task.save()
+    fairness.forget_position(task.id)
     TokenChunk.objects.filter(task=task).delete()
     task_reopened.send(sender=Task, task=task)
     enqueue_on_commit(task, declared_models()[task.model].queue)

@@ -57,8 +57,6 @@ class Task(models.Model):
     # submitted; cost is what the task is charged, its output token budget.
     fair_key = models.BigIntegerField(default=0)
     cost = models.PositiveIntegerField(default=0)
-    # The lowest queue position reported while it waits: positions never go up.
-    reported_position = models.PositiveIntegerField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at", "-id"]
@@ -200,3 +198,18 @@ class ModelClock(models.Model):
 
     def __str__(self) -> str:
         return f"{self.model}@{self.virtual_time}"
+
+
+class QueuePosition(models.Model):
+    """The lowest queue position reported for a task in its current stay in the
+    queue: positions never go up (see ``tasks_app.fairness``). A row of its
+    own, so that a client asking where its task stands never locks the task
+    row a claim wants."""
+
+    task = models.OneToOneField(
+        Task, primary_key=True, on_delete=models.CASCADE, related_name="reported_position"
+    )
+    reported = models.PositiveIntegerField()
+
+    def __str__(self) -> str:
+        return f"{self.task_id}: {self.reported}"
