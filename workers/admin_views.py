@@ -11,6 +11,8 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import path
 
+from tasks_app import selectors
+
 from . import charts, dashboard
 
 
@@ -27,6 +29,7 @@ def dashboard_view(request: HttpRequest) -> HttpResponse:
         "usage": usage,
         "depth": depth,
         "failures": dashboard.recent_failures(since),
+        "owners": selectors.queue_by_owner(since),
         "requests_chart": charts.stacked_columns(
             "Requests per hour and model, last 24 h", labels, hourly.requests
         ),
