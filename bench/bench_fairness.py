@@ -1,0 +1,124 @@
+"""Output tokens per second per owner, with four owners of unequal demand
+sharing one model worker.
+
+    .venv/bin/python bench/bench_fairness.py [--tokens 8] [--demand 8 12 16 20]
+
+Starts the real service (web, one model worker, the ops worker with the
+sweeper; ``tests/stack.py``) on the embedded PostgreSQL and a private Redis
+(or DATABASE_URL), then four owners submit their tasks through HTTP at the
+same time, each task one greedy generation of ``--tokens`` output tokens of
+the same prompt. Once all are done it prints, per owner, the output tokens
+and tokens/s over the window in which every owner still had work (from the
+moment all tasks were submitted to the first completion of an owner's last
+task), and the max/min ratio of those shares: 1.00 is a perfectly even split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lmsp_project.settings")
+
+PROMPT = "Write a long, detailed story about a lighthouse keeper."
+FINAL = {"completed", "incomplete", "failed", "cancelled"}
+
+
+def run(tokens: int, demand: list[int]) -> None:
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+    from django.db import connections
+
+    from accounts_app.models import SCOPES
+    from accounts_app.services import create_token
+    from lmsp_project.devstack import free_port
+    from tasks_app.models import Task
+    from tests.stack import Stack
+
+    call_command("migrate", verbosity=0)
+    names = [f"bench-owner-{i + 1}" for i in range(len(demand))]
+    secrets = {name: create_token(username=name, scopes=list(SCOPES)).secret for name in names}
+    stack = Stack(connections["default"].settings_dict, free_port())
+    stack.start()
+    try:
+        body = {
+            "type": "response",
+            "request": {
+                "model": "smollm2:135m",
+                "input": [
+                    {
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": PROMPT}],
+                    }
+                ],
+                "max_output_tokens": tokens,
+                "temperature": 0,
+            },
+        }
+
+        def submit(name: str, count: int) -> list[str]:
+            with stack.client(secrets[name]) as client:
+                ids = []
+                for _ in range(count):
+                    answer = client.post("/lmsp/v1/tasks", json=body)
+                    answer.raise_for_status()
+                    ids.append(answer.json()["id"])
+                return ids
+
+        with ThreadPoolExecutor(len(names)) as pool:
+            ids = dict(zip(names, pool.map(submit, names, demand), strict=True))
+        submitted = time.time()
+        owner_of = {task_id: name for name, owned in ids.items() for task_id in owned}
+        while Task.objects.filter(id__in=owner_of).exclude(status__in=FINAL).exists():
+            time.sleep(0.5)
+        rows = list(
+            Task.objects.filter(id__in=owner_of)
+            .select_related("response")
+            .values_list("id", "completed_at", "response__output_tokens")
+        )
+    finally:
+        stack.stop()
+
+    last_done = {name: max(at for tid, at, _ in rows if owner_of[tid] == name) for name in names}
+    end = min(last_done.values())
+    window = end.timestamp() - submitted
+    served = dict.fromkeys(names, 0)
+    for task_id, completed_at, output_tokens in rows:
+        if submitted <= completed_at.timestamp() <= end.timestamp():
+            served[owner_of[task_id]] += output_tokens
+    print(f"{len(names)} owners, demand {demand} tasks of {tokens} tokens, window {window:.1f} s")
+    for name, count in zip(names, demand, strict=True):
+        rate = served[name] / window
+        print(f"  {name}: {count:3d} tasks, {served[name]:5d} tokens, {rate:6.2f} tok/s")
+    low, high = min(served.values()), max(served.values())
+    rates = " / ".join(f"{served[name] / window:.2f}" for name in names)
+    print(f"per-owner tokens/s while all have work: {rates}; max/min {high / max(low, 1):.2f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=8)
+    parser.add_argument("--demand", type=int, nargs="+", default=[8, 12, 16, 20])
+    args = parser.parse_args()
+    if os.environ.get("DATABASE_URL") and os.environ.get("REDIS_URL"):
+        run(args.tokens, args.demand)
+        return 0
+    from lmsp_project.devstack import services
+
+    with services() as extra:
+        os.environ.update(extra)
+        run(args.tokens, args.demand)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
