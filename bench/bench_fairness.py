@@ -1,7 +1,7 @@
 """Output tokens per second per owner, with four owners of unequal demand
 sharing one model worker.
 
-    .venv/bin/python bench/bench_fairness.py [--tokens 8] [--demand 8 12 16 20]
+    .venv/bin/python bench/bench_fairness.py [--tokens 8] [--demand 4 6 8 10]
 
 Starts the real service (web, one model worker, the ops worker with the
 sweeper; ``tests/stack.py``) on the embedded PostgreSQL and a private Redis
@@ -9,8 +9,9 @@ sweeper; ``tests/stack.py``) on the embedded PostgreSQL and a private Redis
 same time, each task one greedy generation of ``--tokens`` output tokens of
 the same prompt. Once all are done it prints, per owner, the output tokens
 and tokens/s over the window in which every owner still had work (from the
-moment all tasks were submitted to the first completion of an owner's last
-task), and the max/min ratio of those shares: 1.00 is a perfectly even split.
+moment all tasks were submitted to the end of the first owner's last task;
+a task partly inside it counts for that part of its tokens), and the
+max/min ratio of those shares: 1.00 is a perfectly even split.
 """
 
 from __future__ import annotations
@@ -83,22 +84,26 @@ def run(tokens: int, demand: list[int]) -> None:
         rows = list(
             Task.objects.filter(id__in=owner_of)
             .select_related("response")
-            .values_list("id", "completed_at", "response__output_tokens")
+            .values_list("id", "started_at", "completed_at", "response__output_tokens")
         )
     finally:
         stack.stop()
 
-    last_done = {name: max(at for tid, at, _ in rows if owner_of[tid] == name) for name in names}
-    end = min(last_done.values())
-    window = end.timestamp() - submitted
-    served = dict.fromkeys(names, 0)
-    for task_id, completed_at, output_tokens in rows:
-        if submitted <= completed_at.timestamp() <= end.timestamp():
-            served[owner_of[task_id]] += output_tokens
+    # The window: from the last submit to the end of the first owner's work.
+    end = min(
+        max(done.timestamp() for tid, _, done, _ in rows if owner_of[tid] == name) for name in names
+    )
+    window = end - submitted
+    served = dict.fromkeys(names, 0.0)
+    for task_id, started_at, completed_at, output_tokens in rows:
+        start, stop = started_at.timestamp(), completed_at.timestamp()
+        overlap = min(stop, end) - max(start, submitted)
+        if overlap > 0:  # a task partly in the window counts for that part of its tokens
+            served[owner_of[task_id]] += output_tokens * overlap / max(stop - start, 1e-9)
     print(f"{len(names)} owners, demand {demand} tasks of {tokens} tokens, window {window:.1f} s")
     for name, count in zip(names, demand, strict=True):
         rate = served[name] / window
-        print(f"  {name}: {count:3d} tasks, {served[name]:5d} tokens, {rate:6.2f} tok/s")
+        print(f"  {name}: {count:3d} tasks, {served[name]:7.1f} tokens, {rate:6.2f} tok/s")
     low, high = min(served.values()), max(served.values())
     rates = " / ".join(f"{served[name] / window:.2f}" for name in names)
     print(f"per-owner tokens/s while all have work: {rates}; max/min {high / max(low, 1):.2f}")
@@ -107,7 +112,7 @@ def run(tokens: int, demand: list[int]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=8)
-    parser.add_argument("--demand", type=int, nargs="+", default=[8, 12, 16, 20])
+    parser.add_argument("--demand", type=int, nargs="+", default=[4, 6, 8, 10])
     args = parser.parse_args()
     if os.environ.get("DATABASE_URL") and os.environ.get("REDIS_URL"):
         run(args.tokens, args.demand)

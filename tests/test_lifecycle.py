@@ -133,3 +133,29 @@ def test_a_full_queue_refuses_new_work_with_503(settings, client):
     assert answer["Content-Type"] == "application/problem+json"
     assert answer.json()["code"] == "overloaded"
     assert Task.objects.count() == 1
+
+
+def test_concurrent_claims_each_take_a_different_task_in_fair_order():
+    """Many jobs claiming at once (threads of one batched worker, or workers on
+    several machines) never share a task, and together take the fairest ones."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from django.db import connection
+
+    tasks = [new_task(max_output_tokens=4) for _ in range(6)]
+    bob, _ = get_user_model().objects.get_or_create(username="bob")
+    prepared = prepare_generation(bob, validate_response_request(request_body()))
+    newcomer = start_generation(bob, prepared, TaskKind.TASK)
+
+    def claim(i: int) -> str | None:
+        try:
+            claimed = lifecycle.claim(tasks[-1].id, f"w{i}")
+            return claimed.id if claimed else None
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(4) as pool:
+        taken = list(pool.map(claim, range(4)))
+    assert None not in taken and len(set(taken)) == 4
+    # alice's first three (fair keys 0, 4, 8) and bob's one (key 0), whatever the message
+    assert set(taken) == {tasks[0].id, tasks[1].id, tasks[2].id, newcomer.id}
