@@ -1,17 +1,20 @@
 """Output tokens per second per owner, with four owners of unequal demand
 sharing one model worker.
 
-    .venv/bin/python bench/bench_fairness.py [--tokens 8] [--demand 4 6 8 10]
+    .venv/bin/python bench/bench_fairness.py [--tokens 8] [--demand 10 8 6 4]
 
 Starts the real service (web, one model worker, the ops worker with the
 sweeper; ``tests/stack.py``) on the embedded PostgreSQL and a private Redis
-(or DATABASE_URL), then four owners submit their tasks through HTTP at the
-same time, each task one greedy generation of ``--tokens`` output tokens of
-the same prompt. Once all are done it prints, per owner, the output tokens
-and tokens/s over the window in which every owner still had work (from the
-moment all tasks were submitted to the end of the first owner's last task;
-a task partly inside it counts for that part of its tokens), and the
-max/min ratio of those shares: 1.00 is a perfectly even split.
+(or DATABASE_URL), then four owners submit their tasks through HTTP, one
+owner after the other, the biggest backlog first; each task is one greedy
+generation of ``--tokens`` output tokens of the same prompt. Once all are
+done it prints, per owner, the output tokens and tokens/s over the window in
+which every owner had work: from the last owner's first submit until each
+owner has had as many tasks done since then as the owner who asked for least
+(the end of that round; a task partly inside the window counts for that
+part of its tokens), and the max/min ratio of those shares: 1.00 is an even
+split, while served in the broker's order the first owner would have had
+the worker to itself.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import argparse
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,31 +77,46 @@ def run(tokens: int, demand: list[int]) -> None:
                     ids.append(answer.json()["id"])
                 return ids
 
-        with ThreadPoolExecutor(len(names)) as pool:
-            ids = dict(zip(names, pool.map(submit, names, demand), strict=True))
-        submitted = time.time()
+        # One owner after the other, the biggest backlog first: served in the
+        # broker's order, the first owner would keep the worker to itself.
+        ids = {name: submit(name, count) for name, count in zip(names, demand, strict=True)}
         owner_of = {task_id: name for name, owned in ids.items() for task_id in owned}
         while Task.objects.filter(id__in=owner_of).exclude(status__in=FINAL).exists():
             time.sleep(0.5)
         rows = list(
             Task.objects.filter(id__in=owner_of)
             .select_related("response")
-            .values_list("id", "started_at", "completed_at", "response__output_tokens")
+            .values_list(
+                "id", "created_at", "started_at", "completed_at", "response__output_tokens"
+            )
         )
     finally:
         stack.stop()
 
-    # The window: from the last submit to the end of the first owner's work.
-    end = min(
-        max(done.timestamp() for tid, _, done, _ in rows if owner_of[tid] == name) for name in names
+    # The window: from the first submit of the last owner (from then on every
+    # owner has work) to the end of the round in which the owner who asked for
+    # least ran out, i.e. until every owner has had as many tasks done since
+    # the start as that owner asked for.
+    rounds = min(demand)
+    start = max(
+        min(created.timestamp() for tid, created, *_ in rows if owner_of[tid] == name)
+        for name in names
     )
-    window = end - submitted
+    end = max(
+        sorted(
+            done.timestamp()
+            for tid, _, started, done, _ in rows
+            if owner_of[tid] == name and started.timestamp() >= start
+        )[:rounds][-1]
+        for name in names
+    )
+    window = end - start
     served = dict.fromkeys(names, 0.0)
-    for task_id, started_at, completed_at, output_tokens in rows:
-        start, stop = started_at.timestamp(), completed_at.timestamp()
-        overlap = min(stop, end) - max(start, submitted)
+    for task_id, _, started_at, completed_at, output_tokens in rows:
+        begin, stop = started_at.timestamp(), completed_at.timestamp()
+        overlap = min(stop, end) - max(begin, start)
         if overlap > 0:  # a task partly in the window counts for that part of its tokens
-            served[owner_of[task_id]] += output_tokens * overlap / max(stop - start, 1e-9)
+            served[owner_of[task_id]] += output_tokens * overlap / max(stop - begin, 1e-9)
     print(f"{len(names)} owners, demand {demand} tasks of {tokens} tokens, window {window:.1f} s")
     for name, count in zip(names, demand, strict=True):
         rate = served[name] / window
@@ -112,7 +129,7 @@ def run(tokens: int, demand: list[int]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=8)
-    parser.add_argument("--demand", type=int, nargs="+", default=[4, 6, 8, 10])
+    parser.add_argument("--demand", type=int, nargs="+", default=[10, 8, 6, 4])
     args = parser.parse_args()
     if os.environ.get("DATABASE_URL") and os.environ.get("REDIS_URL"):
         run(args.tokens, args.demand)
