@@ -9,12 +9,12 @@ sweeper; ``tests/stack.py``) on the embedded PostgreSQL and a private Redis
 owner after the other, the biggest backlog first; each task is one greedy
 generation of ``--tokens`` output tokens of the same prompt. Once all are
 done it prints, per owner, the output tokens and tokens/s over the window in
-which every owner had work: from the last owner's first submit until each
-owner has had as many tasks done since then as the owner who asked for least
-(the end of that round; a task partly inside the window counts for that
-part of its tokens), and the max/min ratio of those shares: 1.00 is an even
-split, while served in the broker's order the first owner would have had
-the worker to itself.
+which every owner had work: from the first task started after the last
+owner's first submit until each owner has had as many tasks done since then
+as the owner who asked for least (the end of that round; a task partly
+inside the window counts for that part of its tokens), and the max/min
+ratio of those shares: 1.00 is an even split, while served in the broker's
+order the first owner would have had the worker to itself.
 """
 
 from __future__ import annotations
@@ -93,15 +93,16 @@ def run(tokens: int, demand: list[int]) -> None:
     finally:
         stack.stop()
 
-    # The window: from the first submit of the last owner (from then on every
-    # owner has work) to the end of the round in which the owner who asked for
-    # least ran out, i.e. until every owner has had as many tasks done since
-    # the start as that owner asked for.
+    # The window: from the first task started once every owner had submitted
+    # (the first slot handed out while all of them had work) to the end of the
+    # round in which the owner who asked for least ran out, i.e. until every
+    # owner has had as many tasks done since then as that owner asked for.
     rounds = min(demand)
-    start = max(
+    all_in = max(
         min(created.timestamp() for tid, created, *_ in rows if owner_of[tid] == name)
         for name in names
     )
+    start = min(t.timestamp() for _, _, t, _, _ in rows if t.timestamp() >= all_in)
     end = max(
         sorted(
             done.timestamp()
