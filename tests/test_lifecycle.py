@@ -159,3 +159,20 @@ def test_concurrent_claims_each_take_a_different_task_in_fair_order():
     assert None not in taken and len(set(taken)) == 4
     # alice's first three (fair keys 0, 4, 8) and bob's one (key 0), whatever the message
     assert set(taken) == {tasks[0].id, tasks[1].id, tasks[2].id, newcomer.id}
+
+
+def test_an_owner_at_its_running_quota_waits_until_a_generation_ends(settings):
+    """A claim takes the fairest task, not the one its message names; an owner
+    at its running quota is passed over until one of its generations ends."""
+    settings.LMSP_QUOTA_MAX_RUNNING = 1
+    first, second = new_task(), new_task()  # alice's backlog
+    bob, _ = get_user_model().objects.get_or_create(username="bob")
+    prepared = prepare_generation(bob, validate_response_request(request_body()))
+    newcomer = start_generation(bob, prepared, TaskKind.TASK)
+    assert lifecycle.claim(second.id, "w1").id == first.id  # whatever the message names
+    assert lifecycle.claim(first.id, "w2").id == newcomer.id  # bob before alice's second
+    assert lifecycle.claim(first.id, "w3") is None  # alice has one running: her quota
+    claimed = Task.objects.get(id=first.id)
+    outcome = lifecycle.Outcome(status=Status.INCOMPLETE)
+    assert lifecycle.finish(first.id, claimed.attempt, [], outcome)
+    assert lifecycle.claim(first.id, "w4").id == second.id
