@@ -78,13 +78,16 @@ def response_object(response: Any) -> dict:  # responses_app.models.Response
     }
 
 
-def task_object(task: Any) -> dict:  # tasks_app.models.Task
+def task_object(task: Any, queue_position: int | None = None) -> dict:  # tasks_app Task
+    """``queue_position``: 1 for the next task its model's workers take, None
+    (null) when the task is not waiting (tasks_app.fairness computes it)."""
     final = task.is_final
     return {
         "id": task.id,
         "object": "task",
         "type": "response",
         "status": task.status,
+        "queue_position": queue_position,
         "created_at": timestamp(task.created_at),
         "started_at": timestamp(task.started_at),
         "completed_at": timestamp(task.completed_at),
@@ -204,3 +207,8 @@ def sse_frame(event_id: int, event: str, data_json: str) -> bytes:
 
 
 KEEPALIVE_FRAME = b": keep-alive\n\n"
+
+
+def queued_frame(position: int) -> bytes:
+    """The keep-alive comment of a stream whose task is still waiting."""
+    return f": queued {int(position)}\n\n".encode()

@@ -195,6 +195,14 @@ LMSP_GRAMMAR_CACHE_ENTRIES = env_int("LMSP_GRAMMAR_CACHE_ENTRIES", 64)
 LMSP_GRAMMAR_CACHE_MB = env_int("LMSP_GRAMMAR_CACHE_MB", 256)
 # Queued tasks per model above which new work is refused with 503 overloaded.
 LMSP_MAX_QUEUED_PER_MODEL = env_int("LMSP_MAX_QUEUED_PER_MODEL", 1000)
+# Per-owner quotas (an owner's own values are set in the admin, on the user's
+# page); 0 means no limit. Past one: 429 rate_limited (running: the owner's
+# tasks wait their turn instead).
+LMSP_QUOTA_MAX_RUNNING = env_int("LMSP_QUOTA_MAX_RUNNING", 4)
+LMSP_QUOTA_MAX_QUEUED = env_int("LMSP_QUOTA_MAX_QUEUED", 200)
+LMSP_QUOTA_OUTPUT_TOKENS_PER_MINUTE = env_int("LMSP_QUOTA_OUTPUT_TOKENS_PER_MINUTE", 0)
+# Retry-After of a 429 for too many queued tasks.
+LMSP_QUOTA_RETRY_AFTER_SECONDS = env_int("LMSP_QUOTA_RETRY_AFTER_SECONDS", 10)
 # The longest a single generation may run; the broker's visibility timeout is
 # set above it so that Redis never hands a running job to a second worker.
 LMSP_MAX_JOB_SECONDS = env_int("LMSP_MAX_JOB_SECONDS", 6 * 3600)

@@ -12,6 +12,8 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import path
 
+from tasks_app import selectors
+
 from . import charts, dashboard, jobs
 
 
@@ -29,6 +31,7 @@ def dashboard_view(request: HttpRequest) -> HttpResponse:
         "depth": depth,
         "failures": dashboard.recent_failures(since),
         "jobs": jobs.job_health_or_none(),
+        "owners": selectors.queue_by_owner(since),
         "requests_chart": charts.stacked_columns(
             "Requests per hour and model, last 24 h", labels, hourly.requests
         ),

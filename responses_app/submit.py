@@ -101,10 +101,20 @@ def prepare_generation(
 
 @transaction.atomic
 def start_generation(owner: AbstractBaseUser, prepared: PreparedGeneration, kind: str) -> Task:
-    """Store the response and the task that generates it, in one transaction."""
+    """Store the response and the task that generates it, in one transaction,
+    which first locks the owner's row and checks its quotas (429), then the
+    model's queue (503)."""
+    services.admit(owner)
     services.check_capacity(prepared.spec)
     response = records.create(owner, prepared)
-    return services.create_task(owner, response.id, prepared.spec, prepared.input_tokens, kind=kind)
+    return services.create_task(
+        owner,
+        response.id,
+        prepared.spec,
+        prepared.input_tokens,
+        kind=kind,
+        cost=prepared.params.max_output_tokens,
+    )
 
 
 # Per kind of task: the endpoint that creates it (idempotency keys are per

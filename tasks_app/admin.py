@@ -1,13 +1,22 @@
+"""Tasks in the admin (cancel, re-queue a failed one), and each owner's LMSP
+quotas and usage on the auth user's page: the quotas live with the tasks they
+limit, so this app extends the user admin rather than the accounts app."""
+
 from collections.abc import Callable
+from datetime import timedelta
 
 from django.contrib import admin, messages
+from django.contrib.auth import get_user_model
+from django.contrib.auth.admin import UserAdmin as BaseUserAdmin
 from django.db.models import QuerySet
 from django.http import HttpRequest
+from django.utils import timezone
+from django.utils.html import format_html
 
 from lmsp_core.errors import ProblemError
 
-from . import lifecycle
-from .models import Task
+from . import lifecycle, quotas, selectors
+from .models import OwnerQuota, Task
 
 
 def _apply(
@@ -88,3 +97,49 @@ class TaskAdmin(admin.ModelAdmin):
     @admin.action(description="Re-queue the selected failed tasks", permissions=["change"])
     def requeue_failed_tasks(self, request: HttpRequest, queryset: QuerySet) -> None:
         _apply(self, request, queryset, lifecycle.requeue_failed, "Re-queued")
+
+
+class OwnerQuotaInline(admin.StackedInline):
+    model = OwnerQuota
+    can_delete = False
+    verbose_name = verbose_name_plural = "LMSP quotas (empty: the default from settings)"
+    fields = ("max_running", "max_queued", "output_tokens_per_minute")
+
+
+User = get_user_model()
+if admin.site.is_registered(User):
+    admin.site.unregister(User)
+
+
+@admin.register(User)
+class UserAdmin(BaseUserAdmin):
+    """The auth user's page, with the owner's LMSP quotas and usage."""
+
+    inlines = (*BaseUserAdmin.inlines, OwnerQuotaInline)
+    fieldsets = (*BaseUserAdmin.fieldsets, ("LMSP usage", {"fields": ("lmsp_usage",)}))
+    readonly_fields = (*BaseUserAdmin.readonly_fields, "lmsp_usage")
+
+    @admin.display(description="Usage")
+    def lmsp_usage(self, user: object) -> str:
+        if user is None or user.pk is None:
+            return "-"
+        usage = selectors.owner_usage(user.pk, timezone.now() - timedelta(hours=24))
+        limits = quotas.limits_for(user.pk)
+
+        def of(limit: int) -> str:
+            return f" of {limit}" if limit else " (no limit)"
+
+        return format_html(
+            '<span id="lmsp-usage">{} queued{}, {} running{}; '
+            "{} output tokens in the last minute{}; last 24 h: {} requests, "
+            "{} input and {} output tokens</span>",
+            usage.queued,
+            of(limits.max_queued),
+            usage.running,
+            of(limits.max_running),
+            usage.output_tokens_last_minute,
+            of(limits.output_tokens_per_minute),
+            usage.requests,
+            usage.input_tokens,
+            usage.output_tokens,
+        )

@@ -26,7 +26,7 @@ from lmsp_core.errors import ProblemError, problem
 from lmsp_core.status import Status
 from lmsp_project.celery import app as celery_app
 
-from . import broker
+from . import broker, fairness, quotas
 from .event_log import EventLog
 from .models import Event, Task, TokenChunk, UsageRecord
 from .signals import task_finished, task_reopened
@@ -68,7 +68,10 @@ def _lease_deadline() -> timezone.datetime:
 
 def enqueue_on_commit(task: Task, queue: str) -> None:
     """Send the job once the task row is committed, so no worker sees it early."""
-    task_id = task.id
+    enqueue_on_commit_id(task.id, queue)
+
+
+def enqueue_on_commit_id(task_id: str, queue: str) -> None:
     transaction.on_commit(lambda: send_job(task_id, queue))
 
 
@@ -85,9 +88,19 @@ def _locked(task_id: str) -> Task | None:
 
 @transaction.atomic
 def claim(task_id: str, worker: str) -> Task | None:
-    """Take a queued task for this worker; None when it is not (or no longer) queued."""
-    task = _locked(task_id)
-    if task is None or task.status != Status.QUEUED:
+    """Take the fairest queued task of ``task_id``'s model for this worker (see
+    ``fairness``); None when that model has nothing this worker may start.
+
+    A job's message is a slot for its model rather than a ticket for one
+    task: every queued task has sent one, so every queued task is claimed by
+    some message, and the order is decided here, not by the broker. Safe to
+    call from many threads, processes and machines at once.
+    """
+    model = Task.objects.filter(id=task_id).values_list("model", flat=True).first()
+    if model is None:
+        return None
+    task = fairness.take_fairest(model)
+    if task is None:
         return None
     now = timezone.now()
     task.status = Status.IN_PROGRESS
@@ -96,6 +109,7 @@ def claim(task_id: str, worker: str) -> Task | None:
     task.started_at = task.started_at or now
     task.lease_expires_at = _lease_deadline()
     task.save(update_fields=["status", "attempt", "worker", "started_at", "lease_expires_at"])
+    fairness.forget_position(task.id)
     return task
 
 
@@ -163,6 +177,18 @@ def _finalize(task: Task, events: list[tuple[str, dict]], outcome: Outcome) -> N
     UsageRecord.objects.filter(response_id=task.response_id).update(
         status=outcome.status, output_tokens=outcome.output_tokens, completed_at=now
     )
+    _resend_held_back(task.owner_id)
+
+
+def _resend_held_back(owner_id: int) -> None:
+    """A claim that passed over an owner at its running quota used up its
+    message; once one of the owner's generations ends, send a slot for each
+    model it still has tasks waiting for (a spare message claims nothing)."""
+    if not quotas.limits_for(owner_id).max_running:
+        return
+    waiting = Task.objects.filter(owner_id=owner_id, status=Status.QUEUED)
+    for model, task_id in waiting.order_by("model").distinct("model").values_list("model", "id"):
+        enqueue_on_commit_id(task_id, declared_models()[model].queue)
 
 
 def restore(task: Task) -> Restored:
@@ -276,6 +302,7 @@ def _sweep_expired(task_id: str, now: timezone.datetime, report: SweepReport) ->
             task.lease_expires_at = None
             task.enqueued_at = now
             task.save(update_fields=["status", "worker", "lease_expires_at", "enqueued_at"])
+            fairness.forget_position(task.id)
             enqueue_on_commit(task, queue)
             report.requeued.append(task.id)
 
@@ -369,6 +396,7 @@ def requeue_failed(task_id: str) -> Task:
     task.checkpoint = None
     task.enqueued_at = timezone.now()
     task.save()
+    fairness.forget_position(task.id)
     TokenChunk.objects.filter(task=task).delete()
     task_reopened.send(sender=Task, task=task)
     enqueue_on_commit(task, queue)

@@ -52,9 +52,18 @@ class Task(models.Model):
     # attempt continues exactly where the log ends (see generation.output).
     checkpoint = models.JSONField(null=True, blank=True)
 
+    # Fair sharing (see tasks_app.fairness): the queue of a model is served in
+    # the order of fair_key, the owner's virtual start time when it was
+    # submitted; cost is what the task is charged, its output token budget.
+    fair_key = models.BigIntegerField(default=0)
+    cost = models.PositiveIntegerField(default=0)
+
     class Meta:
         ordering = ["-created_at", "-id"]
-        indexes = [models.Index(fields=["owner", "kind", "-id"], name="task_owner_list")]
+        indexes = [
+            models.Index(fields=["owner", "kind", "-id"], name="task_owner_list"),
+            models.Index(fields=["model", "status", "fair_key", "created_at"], name="task_fair"),
+        ]
 
     def __str__(self) -> str:
         return self.id
@@ -152,3 +161,55 @@ class UsageRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.response_id} {self.status}"
+
+
+class OwnerQuota(models.Model):
+    """An owner's quotas (empty: the ``LMSP_QUOTA_*`` default) and the row that
+    serializes the owner's submits: ``tasks_app.quotas`` locks it for the
+    length of a submit transaction, so two requests at once cannot both take
+    the owner's last slot. Created on an owner's first submit."""
+
+    owner = models.OneToOneField(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="quota"
+    )
+    max_running = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Generations at once. Empty: LMSP_QUOTA_MAX_RUNNING."
+    )
+    max_queued = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Tasks waiting at once. Empty: LMSP_QUOTA_MAX_QUEUED."
+    )
+    output_tokens_per_minute = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Output tokens in any 60 s. Empty: LMSP_QUOTA_OUTPUT_TOKENS_PER_MINUTE.",
+    )
+
+    def __str__(self) -> str:
+        return f"quota of {self.owner}"
+
+
+class ModelClock(models.Model):
+    """The fair queue's virtual time for one model (start-time fair queueing):
+    the fair key of the last task claimed. Claims lock this row, so the
+    choice of the fairest task of a model is made by one claim at a time."""
+
+    model = models.CharField(primary_key=True, max_length=100)
+    virtual_time = models.BigIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.model}@{self.virtual_time}"
+
+
+class QueuePosition(models.Model):
+    """The lowest queue position reported for a task in its current stay in the
+    queue: positions never go up (see ``tasks_app.fairness``). A row of its
+    own, so that a client asking where its task stands never locks the task
+    row a claim wants."""
+
+    task = models.OneToOneField(
+        Task, primary_key=True, on_delete=models.CASCADE, related_name="reported_position"
+    )
+    reported = models.PositiveIntegerField()
+
+    def __str__(self) -> str:
+        return f"{self.task_id}: {self.reported}"

@@ -1,15 +1,20 @@
-"""Reads of tasks."""
+"""Reads of tasks, and of who is using the queues (for the admin)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
 from django.contrib.auth.base_user import AbstractBaseUser
-from django.db.models import QuerySet
+from django.db.models import Count, Q, QuerySet, Sum
+from django.utils import timezone
 
 from lmsp_core.errors import ProblemError
 from lmsp_core.ids import is_valid_id
 from lmsp_core.status import Status
 
-from .models import Task, TaskKind
+from . import fairness
+from .models import Task, TaskKind, UsageRecord
 
 
 def owned_task(owner: AbstractBaseUser, task_id: str) -> Task:
@@ -47,3 +52,84 @@ def task_page(
 
 
 STATUSES = [choice.value for choice in Status]
+
+
+@dataclass(frozen=True)
+class OwnerQueue:
+    """One owner's share of the queues now, and what it was sent recently."""
+
+    owner_id: int
+    username: str
+    queued: int
+    running: int
+    output_tokens: int  # delivered since the window's start
+    next_position: int | None  # position of the owner's first waiting task, any model
+
+
+def queue_by_owner(since: datetime) -> list[OwnerQueue]:
+    """Owners with work waiting or running, busiest first: their queued and
+    running tasks, output tokens since ``since``, and where the first of
+    their waiting tasks stands in its model's fair order."""
+    live = (
+        Task.objects.filter(status__in=[Status.QUEUED, Status.IN_PROGRESS])
+        .values("owner_id", "owner__username")
+        .annotate(
+            queued=Count("id", filter=Q(status=Status.QUEUED)),
+            running=Count("id", filter=Q(status=Status.IN_PROGRESS)),
+        )
+    )
+    tokens = dict(
+        UsageRecord.objects.filter(
+            completed_at__gte=since, owner_id__in=[r["owner_id"] for r in live]
+        )
+        .values("owner_id")
+        .annotate(n=Sum("output_tokens"))
+        .values_list("owner_id", "n")
+    )
+    rows = []
+    for row in live:
+        first = (
+            Task.objects.filter(owner_id=row["owner_id"], status=Status.QUEUED)
+            .order_by(*fairness.FAIR_ORDER)
+            .first()
+        )
+        rows.append(
+            OwnerQueue(
+                owner_id=row["owner_id"],
+                username=row["owner__username"],
+                queued=row["queued"],
+                running=row["running"],
+                output_tokens=tokens.get(row["owner_id"]) or 0,
+                next_position=fairness.rank(first) if first else None,
+            )
+        )
+    return sorted(rows, key=lambda r: (-(r.queued + r.running), r.username))
+
+
+@dataclass(frozen=True)
+class OwnerUsage:
+    """What the user's admin page shows beside the quotas."""
+
+    queued: int
+    running: int
+    requests: int
+    input_tokens: int
+    output_tokens: int
+    output_tokens_last_minute: int
+
+
+def owner_usage(owner_id: int, since: datetime) -> OwnerUsage:
+    totals = UsageRecord.objects.filter(owner_id=owner_id, created_at__gte=since).aggregate(
+        requests=Count("id"), input_tokens=Sum("input_tokens"), output_tokens=Sum("output_tokens")
+    )
+    minute = UsageRecord.objects.filter(
+        owner_id=owner_id, completed_at__gte=timezone.now() - timedelta(seconds=60)
+    ).aggregate(n=Sum("output_tokens"))["n"]
+    return OwnerUsage(
+        queued=Task.objects.filter(owner_id=owner_id, status=Status.QUEUED).count(),
+        running=Task.objects.filter(owner_id=owner_id, status=Status.IN_PROGRESS).count(),
+        requests=totals["requests"],
+        input_tokens=totals["input_tokens"] or 0,
+        output_tokens=totals["output_tokens"] or 0,
+        output_tokens_last_minute=minute or 0,
+    )

@@ -1,4 +1,6 @@
-"""Writes that start and stop tasks."""
+"""Writes that start and stop tasks, and the admission checks before them:
+``admit`` (the owner's quotas, 429) and ``check_capacity`` (the model's
+whole queue, 503)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,15 @@ from lmsp_core.errors import ProblemError
 from lmsp_core.ids import new_id
 from lmsp_core.status import Status
 
-from . import lifecycle
+from . import fairness, lifecycle, quotas
 from .event_log import EventLog
 from .models import Task, UsageRecord
+
+
+def admit(owner: AbstractBaseUser) -> None:
+    """Lock the owner's row for the rest of the submit transaction and refuse a
+    request past the owner's quotas (429 rate_limited, see ``quotas``)."""
+    quotas.admit(owner)
 
 
 def check_capacity(spec: ModelSpec) -> None:
@@ -31,12 +39,20 @@ def check_capacity(spec: ModelSpec) -> None:
 
 @transaction.atomic
 def create_task(
-    owner: AbstractBaseUser, response_id: str, spec: ModelSpec, input_tokens: int, kind: str
+    owner: AbstractBaseUser,
+    response_id: str,
+    spec: ModelSpec,
+    input_tokens: int,
+    kind: str,
+    cost: int = 1,
 ) -> Task:
     """The task that generates a response (already stored in this transaction):
     log ``response.created``, count the request, and queue the job once this
-    transaction commits."""
+    transaction commits. ``cost`` is what fair sharing charges the owner for
+    it: its output token budget."""
     now = timezone.now()
+    quotas.lock_owner(owner.pk)  # the owner's tasks get fair keys one at a time
+    cost = max(1, cost)
     task = Task.objects.create(
         id=new_id("task"),
         owner=owner,
@@ -45,6 +61,8 @@ def create_task(
         model=spec.id,
         created_at=now,
         enqueued_at=now,
+        cost=cost,
+        fair_key=fairness.fair_key_for(owner, spec.id, cost),
     )
     EventLog.append(task, [protocol.created_event(response_id)])
     task.save(update_fields=["last_event_id"])

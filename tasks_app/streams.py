@@ -38,11 +38,14 @@ from contextlib import aclosing
 
 from asgiref.sync import SyncToAsync
 from django.conf import settings
+from django.db import DatabaseError
 
 from lmsp_core.errors import ProblemError
-from lmsp_core.protocol import FINAL_EVENTS, KEEPALIVE_FRAME, sse_frame
+from lmsp_core.http import db_call
+from lmsp_core.protocol import FINAL_EVENTS, KEEPALIVE_FRAME, queued_frame, sse_frame
+from lmsp_core.status import Status
 
-from . import event_reader
+from . import event_reader, fairness
 from .event_log import StoredEvent
 from .event_reader import READ_ERRORS
 from .models import FINAL_STATUSES
@@ -78,6 +81,9 @@ class TaskFeed:
         self.base = 0
         self.final_id: int | None = None  # id of the final event, once known
         self.task_final = False
+        self.task_queued = False  # as the last read saw it, until an event says otherwise
+        self._position: asyncio.Future | None = None  # the shared queue-position read
+        self._position_at = 0.0
         self.pruned_through = 0
         self.gone = False  # the task itself was deleted
         self.ready = False  # the first read is done
@@ -115,6 +121,25 @@ class TaskFeed:
             )
             self._joined[sent] = joined
         return joined
+
+    async def keepalive_frame(self) -> bytes:
+        """``: queued N`` while the task waits in its queue, ``: keep-alive``
+        otherwise. The position is read at most once per keep-alive interval,
+        for all of the task's followers, and only while the task looks queued."""
+        if not self.task_queued:
+            return KEEPALIVE_FRAME
+        now = time.monotonic()
+        if self._position is None or now - self._position_at >= settings.LMSP_KEEPALIVE_SECONDS / 2:
+            self._position_at = now
+            self._position = asyncio.ensure_future(
+                db_call(fairness.queue_position_of, self.task_id)
+            )
+        try:
+            position = await asyncio.shield(self._position)
+        except DatabaseError:
+            self._position = None  # read again at the next keep-alive
+            return KEEPALIVE_FRAME
+        return KEEPALIVE_FRAME if position is None else queued_frame(position)
 
     def events_after(self, sent: int) -> list[StoredEvent]:
         """The events of ids ``sent + 1 .. last`` (``sent >= base``)."""
@@ -186,6 +211,7 @@ class TaskFeed:
             self._append(event_id, name, data)
             added = True
         if added:
+            self.task_queued = False  # a worker writes the events after the first
             self._notify()
 
     def _append(self, event_id: int, name: str, data: str) -> None:
@@ -255,6 +281,7 @@ class TaskFeed:
             self._notify()
             return
         self.task_final = position.status in FINAL_STATUSES
+        self.task_queued = position.status == Status.QUEUED
         self.pruned_through = position.pruned_through
         window = settings.LMSP_STREAM_WINDOW_EVENTS
         if not self.ready:
@@ -324,12 +351,13 @@ def _release(feed: TaskFeed) -> None:
 
 async def follow(task_id: str, after: int) -> AsyncIterator[bytes]:
     """Frames of every event after ``after``, live ones included, until the
-    final event; ``: keep-alive`` comments while nothing else is sent. Ends
-    early, without a final event, when the events it needs were removed by
-    retention (or the task was deleted): a reconnect is then told why."""
+    final event; keep-alive comments while nothing else is sent (``: queued N``
+    while the task waits in its queue). Ends early, without a final event,
+    when the events it needs were removed by retention (or the task was
+    deleted): a reconnect is then told why."""
     async with aclosing(_deliveries(task_id, after)) as deliveries:
         async for delivery in deliveries:
-            yield KEEPALIVE_FRAME if delivery is None else delivery[0]
+            yield delivery if isinstance(delivery, bytes) else delivery[0]
 
 
 def lmsp_frame(event: StoredEvent | None) -> bytes:
@@ -342,7 +370,7 @@ async def follow_events(task_id: str, after: int) -> AsyncIterator[StoredEvent |
     for readers that speak another stream format than LMSP's."""
     async with aclosing(_deliveries(task_id, after)) as deliveries:
         async for delivery in deliveries:
-            if delivery is None:
+            if isinstance(delivery, bytes):
                 yield None
                 continue
             for event in delivery[1]:
@@ -351,9 +379,9 @@ async def follow_events(task_id: str, after: int) -> AsyncIterator[StoredEvent |
 
 async def _deliveries(
     task_id: str, after: int
-) -> AsyncIterator[tuple[bytes, list[StoredEvent]] | None]:
+) -> AsyncIterator[tuple[bytes, list[StoredEvent]] | bytes]:
     """What ``follow`` sends, as (frames joined in one chunk, the events they
-    carry), or None when a keep-alive is due: the frames of the window are
+    carry), or a keep-alive comment when one is due: the frames of the window are
     joined once for every follower standing at the same id."""
     feed = _acquire(task_id)
     sent = after
@@ -391,7 +419,7 @@ async def _deliveries(
                 return
             quiet = time.monotonic() - quiet_since
             if quiet >= settings.LMSP_KEEPALIVE_SECONDS:
-                yield None
+                yield await feed.keepalive_frame()
                 quiet_since = time.monotonic()
                 continue
             if feed.ready and sent < feed.base:  # a failed replay read: wait, then again

@@ -15,10 +15,14 @@ from lmsp_core.http import check_method, csrf_free, db_call
 from lmsp_core.ids import is_valid_id
 from lmsp_core.validation import integer_param, validation_problem
 
-from . import idempotency, selectors, services, task_types
+from . import fairness, idempotency, selectors, services, task_types
 from .models import Task
 from .serializers import TaskRequestSerializer
 from .streams import SSE_HEADERS, admit, admitted_stream
+
+
+def _task_object(task: Task) -> dict:
+    return protocol.task_object(task, fairness.queue_position(task))
 
 
 class TaskCollectionView(APIView):
@@ -32,7 +36,7 @@ class TaskCollectionView(APIView):
         start = task_types.starter(serializer.validated_data["type"])
         task = start(request.user, serializer.validated_data["request"], key)
         return DRFResponse(
-            protocol.task_object(task),
+            _task_object(task),
             status=202,
             headers={"Location": f"/lmsp/v1/tasks/{task.id}"},
         )
@@ -58,7 +62,7 @@ class TaskCollectionView(APIView):
             )
         tasks, has_more = selectors.task_page(request.user, limit=limit, after=after, status=status)
         next_cursor = tasks[-1].id if has_more else None
-        data = [protocol.task_object(task) for task in tasks]
+        data = [_task_object(task) for task in tasks]
         return DRFResponse(protocol.list_object(data, has_more=has_more, next_cursor=next_cursor))
 
 
@@ -66,7 +70,7 @@ class TaskDetailView(APIView):
     required_scopes = {"GET": "tasks:read"}
 
     def get(self, request: Request, task_id: str) -> DRFResponse:
-        return DRFResponse(protocol.task_object(selectors.owned_task(request.user, task_id)))
+        return DRFResponse(_task_object(selectors.owned_task(request.user, task_id)))
 
 
 class TaskCancelView(APIView):
@@ -74,7 +78,7 @@ class TaskCancelView(APIView):
 
     def post(self, request: Request, task_id: str) -> DRFResponse:
         task = services.cancel_task(selectors.owned_task(request.user, task_id))
-        return DRFResponse(protocol.task_object(task))
+        return DRFResponse(_task_object(task))
 
 
 def resume_point(request: HttpRequest) -> int:

@@ -517,3 +517,41 @@ def test_dashboard_escapes_model_names(admin_client, alice):
     html = admin_client.get("/admin/lmsp/dashboard/").content.decode()
     assert "<script>alert(1)</script>" not in html
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+
+
+def test_dashboard_shows_the_queue_per_owner(admin_client, alice):
+    make_response(alice, [message("user", "a")], status="in_progress", task_status="queued")
+    make_response(alice, [message("user", "b")], status="in_progress", task_status="queued")
+    make_response(alice, [message("user", "c")], status="in_progress", task_status="in_progress")
+    html = admin_client.get("/admin/lmsp/dashboard/").content.decode()
+    owners = html[html.index('id="owners"') : html.index('id="failures"')]
+    user_url = reverse("admin:auth_user_change", args=[alice.pk])
+    assert f'<a href="{user_url}">alice</a></td><td>2</td><td>1</td><td>1</td>' in owners
+
+
+def test_user_page_shows_usage_and_sets_quotas(admin_client, alice):
+    from tasks_app.models import OwnerQuota
+
+    make_response(alice, [message("user", "a")], status="in_progress", task_status="queued")
+    url = reverse("admin:auth_user_change", args=[alice.pk])
+    page = admin_client.get(url).content.decode()
+    assert "1 queued of 200, 0 running of 4" in page
+    form = {
+        "username": alice.username,
+        "date_joined_0": "2026-01-01",
+        "date_joined_1": "00:00:00",
+        "is_active": "on",
+        "quota-TOTAL_FORMS": "1",
+        "quota-INITIAL_FORMS": "0",
+        "quota-MIN_NUM_FORMS": "0",
+        "quota-MAX_NUM_FORMS": "1",
+        "quota-0-max_running": "1",
+        "quota-0-max_queued": "3",
+        "quota-0-output_tokens_per_minute": "",
+        "quota-0-owner": str(alice.pk),
+    }
+    answer = admin_client.post(url, form)
+    assert answer.status_code == 302, answer.content.decode()[:2000]
+    quota = OwnerQuota.objects.get(owner=alice)
+    assert (quota.max_running, quota.max_queued, quota.output_tokens_per_minute) == (1, 3, None)
+    assert "1 queued of 3, 0 running of 1" in admin_client.get(url).content.decode()

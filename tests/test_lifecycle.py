@@ -127,18 +127,44 @@ def test_a_full_queue_refuses_new_work_with_503(settings, client):
     assert Task.objects.count() == 1
 
 
-def test_claims_are_fair_and_an_owner_at_its_running_quota_waits(settings):
-    """A claim takes the fairest task of the model, not the one its message
-    names; an owner at its running quota is passed over until a generation of
-    its own ends, which sends a slot again."""
+def test_concurrent_claims_each_take_a_different_task_in_fair_order():
+    """Many jobs claiming at once (threads of one batched worker, or workers on
+    several machines) never share a task, and together take the fairest ones."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from django.db import connection
+
+    tasks = [new_task(max_output_tokens=4) for _ in range(6)]
+    bob, _ = get_user_model().objects.get_or_create(username="bob")
+    prepared = prepare_generation(bob, validate_response_request(request_body()))
+    newcomer = start_generation(bob, prepared, TaskKind.TASK)
+
+    def claim(i: int) -> str | None:
+        try:
+            claimed = lifecycle.claim(tasks[-1].id, f"w{i}")
+            return claimed.id if claimed else None
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(4) as pool:
+        taken = list(pool.map(claim, range(4)))
+    assert None not in taken and len(set(taken)) == 4
+    # alice's first three (fair keys 0, 4, 8) and bob's one (key 0), whatever the message
+    assert set(taken) == {tasks[0].id, tasks[1].id, tasks[2].id, newcomer.id}
+
+
+def test_an_owner_at_its_running_quota_waits_until_a_generation_ends(settings):
+    """A claim takes the fairest task, not the one its message names; an owner
+    at its running quota is passed over until one of its generations ends."""
     settings.LMSP_QUOTA_MAX_RUNNING = 1
     first, second = new_task(), new_task()  # alice's backlog
     bob, _ = get_user_model().objects.get_or_create(username="bob")
     prepared = prepare_generation(bob, validate_response_request(request_body()))
     newcomer = start_generation(bob, prepared, TaskKind.TASK)
-    assert lifecycle.claim(second.id, "w1").id == first.id  # oldest first, whatever the message
+    assert lifecycle.claim(second.id, "w1").id == first.id  # whatever the message names
     assert lifecycle.claim(first.id, "w2").id == newcomer.id  # bob before alice's second
     assert lifecycle.claim(first.id, "w3") is None  # alice has one running: her quota
     claimed = Task.objects.get(id=first.id)
-    assert lifecycle.finish(first.id, claimed.attempt, [], lifecycle.Outcome("incomplete"))
+    outcome = lifecycle.Outcome(status=Status.INCOMPLETE)
+    assert lifecycle.finish(first.id, claimed.attempt, [], outcome)
     assert lifecycle.claim(first.id, "w4").id == second.id

@@ -1,0 +1,143 @@
+"""Fair sharing of a model's queue between owners: which queued task a free
+slot takes, and where a waiting task stands.
+
+The rule is start-time fair queueing by output tokens. Each model has a
+virtual clock (``ModelClock``): the fair key of the last task claimed. A task
+is charged its output token budget (``cost``, its ``max_output_tokens``) and
+gets, when submitted, the fair key
+
+    max(clock, the largest fair_key + cost among the owner's queued and
+        running tasks of that model)
+
+so an owner's tasks follow one another at intervals of their cost, while an
+owner with nothing waiting or running starts at the clock, level with the
+tasks being served now. A free slot takes the queued task with the smallest
+(fair_key, created_at, id): with four owners always waiting, each is served
+the same number of tokens in turn; one owner's 500 tasks are spread out in
+virtual time, so another owner's one task is served next. Idle time is not
+saved up: an owner who comes back starts at the clock, not in the past.
+
+Celery stays the delivery path: a job's message is a slot for its model
+(``lifecycle.claim``). The choice is made here, in PostgreSQL, by one claim
+at a time per model (the clock row is locked), skipping task rows other
+transactions hold (``FOR UPDATE SKIP LOCKED``), so it holds with any number
+of workers, machines and threads calling ``claim`` at once.
+
+Queue position: 1 + the queued tasks of the model ahead of it in that
+order. A new owner's task can take a place ahead of tasks already waiting
+(that is what fairness means), which would move them back; a position once
+reported is a promise, so the reported one is the lowest seen in this stay
+in the queue (``QueuePosition``, lowered in one statement): it never goes
+up, and it can be ahead of the exact order while newcomers are served. It
+starts afresh when a task is queued again (a lost worker, a re-queue).
+"""
+
+from __future__ import annotations
+
+from django.contrib.auth.base_user import AbstractBaseUser
+from django.db import connection
+from django.db.models import F, Max, Q
+
+from lmsp_core.status import Status
+
+from . import quotas
+from .models import ModelClock, QueuePosition, Task
+
+LIVE = (Status.QUEUED, Status.IN_PROGRESS)
+FAIR_ORDER = ("fair_key", "created_at", "id")
+
+
+def fair_key_for(owner: AbstractBaseUser, model: str, cost: int) -> int:
+    """The fair key of a new task of ``owner`` (whose row the caller has locked,
+    so that the owner's tasks get keys one after the other)."""
+    clock = ModelClock.objects.filter(model=model).values_list("virtual_time", flat=True).first()
+    last_end = Task.objects.filter(owner=owner, model=model, status__in=LIVE).aggregate(
+        end=Max(F("fair_key") + F("cost"))
+    )["end"]
+    return max(clock or 0, last_end or 0)
+
+
+def _locked_clock(model: str) -> ModelClock:
+    ModelClock.objects.bulk_create([ModelClock(model=model)], ignore_conflicts=True)
+    return ModelClock.objects.select_for_update().get(model=model)
+
+
+def take_fairest(model: str) -> Task | None:
+    """Lock and return the queued task of ``model`` a free slot should take, or
+    None (nothing queued, or every waiting owner at its running quota).
+    Call inside the claiming transaction."""
+    clock = _locked_clock(model)
+    passed_over: set[int] = set()  # owners at their running quota
+    while True:
+        task = (
+            # NO KEY UPDATE: rows only key-shared (an event or a position
+            # being written for the task) are not skipped.
+            Task.objects.select_for_update(skip_locked=True, no_key=True, of=("self",))
+            .filter(model=model, status=Status.QUEUED)
+            .exclude(owner_id__in=passed_over)
+            .order_by(*FAIR_ORDER)
+            .first()
+        )
+        if task is None:
+            return None
+        if quotas.may_start(task.owner_id):
+            break
+        passed_over.add(task.owner_id)
+    if task.fair_key > clock.virtual_time:
+        clock.virtual_time = task.fair_key
+        clock.save(update_fields=["virtual_time"])
+    return task
+
+
+# One statement: the task's rank in the fair order among its model's queued
+# tasks, kept in its QueuePosition row unless a lower one was reported
+# before, and returned; no row when the task is not queued. Only the
+# QueuePosition row is written: the task row a claim wants stays unlocked.
+POSITION_SQL = """
+WITH me AS (
+    SELECT id, model, fair_key, created_at
+      FROM tasks_app_task WHERE id = %(id)s AND status = %(queued)s
+), ranked AS (
+    SELECT me.id, count(q.id) + 1 AS rank
+      FROM me LEFT JOIN tasks_app_task AS q
+        ON q.model = me.model AND q.status = %(queued)s
+       AND (q.fair_key, q.created_at, q.id) < (me.fair_key, me.created_at, me.id)
+     GROUP BY me.id
+)
+INSERT INTO tasks_app_queueposition (task_id, reported)
+SELECT id, rank FROM ranked
+ON CONFLICT (task_id) DO UPDATE
+   SET reported = LEAST(tasks_app_queueposition.reported, EXCLUDED.reported)
+RETURNING reported
+"""
+
+
+def rank(task: Task) -> int:
+    """The exact place of a queued task in its model's fair order now (1: next),
+    as an operator sees it; clients are told ``queue_position`` instead."""
+    ahead = Task.objects.filter(model=task.model, status=Status.QUEUED).filter(
+        Q(fair_key__lt=task.fair_key)
+        | Q(fair_key=task.fair_key, created_at__lt=task.created_at)
+        | Q(fair_key=task.fair_key, created_at=task.created_at, id__lt=task.id)
+    )
+    return ahead.count() + 1
+
+
+def queue_position_of(task_id: str) -> int | None:
+    """The task's position in its model's queue (1: next), None when it is not
+    queued; never higher than a position reported before in this stay."""
+    with connection.cursor() as cursor:
+        cursor.execute(POSITION_SQL, {"id": task_id, "queued": Status.QUEUED.value})
+        row = cursor.fetchone()
+    return row[0] if row else None
+
+
+def forget_position(task_id: str) -> None:
+    """The task leaves the queue (claimed) or enters it again (re-queued): its
+    next stay reports positions afresh."""
+    QueuePosition.objects.filter(task_id=task_id).delete()
+
+
+def queue_position(task: Task) -> int | None:
+    """``queue_position_of`` for a task at hand (no query unless it looked queued)."""
+    return queue_position_of(task.id) if task.status == Status.QUEUED else None

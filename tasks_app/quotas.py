@@ -1,0 +1,131 @@
+"""Per-owner quotas: generations at once, tasks waiting, output tokens a minute.
+
+Counting is race-free because every submit of an owner, and every claim that
+checks the owner's running limit, first locks the owner's ``OwnerQuota`` row
+(``lock_owner``) and counts inside that transaction: of two requests at once,
+the second counts after the first has committed its task. Past the queued
+or token quota a submit is refused with ``429 rate_limited`` and a
+``Retry-After``; past the running quota nothing is refused, the owner's
+tasks just wait in the queue until one of its generations ends.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.conf import settings
+from django.contrib.auth.base_user import AbstractBaseUser
+from django.utils import timezone
+
+from lmsp_core.errors import ProblemError
+from lmsp_core.status import Status
+
+from .models import OwnerQuota, Task, UsageRecord
+
+TOKEN_WINDOW = timedelta(seconds=60)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """An owner's effective quotas; 0 means no limit."""
+
+    max_running: int
+    max_queued: int
+    output_tokens_per_minute: int
+
+
+def lock_owner(owner_id: int) -> OwnerQuota:
+    """The owner's quota row, created if missing, locked until the transaction ends."""
+    OwnerQuota.objects.bulk_create([OwnerQuota(owner_id=owner_id)], ignore_conflicts=True)
+    return OwnerQuota.objects.select_for_update().get(owner_id=owner_id)
+
+
+def limits_of(quota: OwnerQuota | None) -> Limits:
+    def pick(value: int | None, default: int) -> int:
+        return default if value is None else value
+
+    return Limits(
+        max_running=pick(quota and quota.max_running, settings.LMSP_QUOTA_MAX_RUNNING),
+        max_queued=pick(quota and quota.max_queued, settings.LMSP_QUOTA_MAX_QUEUED),
+        output_tokens_per_minute=pick(
+            quota and quota.output_tokens_per_minute,
+            settings.LMSP_QUOTA_OUTPUT_TOKENS_PER_MINUTE,
+        ),
+    )
+
+
+def limits_for(owner_id: int) -> Limits:
+    return limits_of(OwnerQuota.objects.filter(owner_id=owner_id).first())
+
+
+def running(owner_id: int) -> int:
+    return Task.objects.filter(owner_id=owner_id, status=Status.IN_PROGRESS).count()
+
+
+def queued(owner_id: int) -> int:
+    return Task.objects.filter(owner_id=owner_id, status=Status.QUEUED).count()
+
+
+def may_start(owner_id: int) -> bool:
+    """Whether one more of the owner's tasks may start now (locks the owner's row;
+    call inside the claiming transaction)."""
+    limit = limits_of(lock_owner(owner_id)).max_running
+    return limit == 0 or running(owner_id) < limit
+
+
+def _rate_limited(detail: str, retry_after: int, quota: str, limit: int) -> ProblemError:
+    return ProblemError(
+        "rate_limited",
+        detail,
+        headers={"Retry-After": str(max(1, retry_after))},
+        quota=quota,
+        limit=limit,
+    )
+
+
+def _token_retry_after(owner_id: int, limit: int) -> int | None:
+    """Seconds until the owner's tokens of the last minute fall below ``limit``;
+    None while they are below it already."""
+    now = timezone.now()
+    delivered = list(
+        UsageRecord.objects.filter(owner_id=owner_id, completed_at__gte=now - TOKEN_WINDOW)
+        .order_by("completed_at")
+        .values_list("completed_at", "output_tokens")
+    )
+    total = sum(tokens for _, tokens in delivered)
+    for completed_at, tokens in delivered:
+        if total < limit:
+            break
+        total -= tokens
+        leaves_in = (completed_at + TOKEN_WINDOW - now).total_seconds()
+        if total < limit:
+            return math.ceil(leaves_in)
+    return None if total < limit else math.ceil(TOKEN_WINDOW.total_seconds())
+
+
+def admit(owner: AbstractBaseUser) -> None:
+    """Lock the owner's row for this (submit) transaction and refuse a request
+    past the owner's queued-task or output-token quota with 429."""
+    limits = limits_of(lock_owner(owner.pk))
+    if limits.max_queued:
+        waiting = queued(owner.pk)
+        if waiting >= limits.max_queued:
+            raise _rate_limited(
+                f"{waiting} of your tasks are already waiting (your quota is "
+                f"{limits.max_queued}); try again once some have started.",
+                settings.LMSP_QUOTA_RETRY_AFTER_SECONDS,
+                "max_queued",
+                limits.max_queued,
+            )
+    if limits.output_tokens_per_minute:
+        retry_after = _token_retry_after(owner.pk, limits.output_tokens_per_minute)
+        if retry_after is not None:
+            raise _rate_limited(
+                f"You were sent {limits.output_tokens_per_minute} or more output tokens in "
+                "the last minute (your quota); try again later.",
+                retry_after,
+                "output_tokens_per_minute",
+                limits.output_tokens_per_minute,
+            )
