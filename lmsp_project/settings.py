@@ -75,10 +75,13 @@ TEMPLATES = [
     },
 ]
 
-# Connections per process in psycopg's pool (0: one connection per request,
-# closed after it): the async views' db_call and the worker's lease thread
-# hand theirs back after each short call instead of reconnecting.
-LMSP_DB_POOL_SIZE = env_int("LMSP_DB_POOL_SIZE", 10)
+# Connections per process in psycopg's pool: the async views' db_call and the
+# worker's lease thread then hand theirs back after each short call instead of
+# reconnecting. Off (0: one connection per request, closed after it) by
+# default: after a PostgreSQL restart the pool was seen to hand out no
+# connection for over 30 s (PoolTimeout), where a new session per request
+# recovers at once. Stream reads have their own pool (tasks_app.event_reader).
+LMSP_DB_POOL_SIZE = env_int("LMSP_DB_POOL_SIZE", 0)
 DATABASES = {
     "default": database_from_url(
         os.environ.get("DATABASE_URL")
@@ -198,7 +201,7 @@ LMSP_MAX_QUEUED_PER_MODEL = env_int("LMSP_MAX_QUEUED_PER_MODEL", 1000)
 # Per-owner quotas (an owner's own values are set in the admin, on the user's
 # page); 0 means no limit. Past one: 429 rate_limited (running: the owner's
 # tasks wait their turn instead).
-LMSP_QUOTA_MAX_RUNNING = env_int("LMSP_QUOTA_MAX_RUNNING", 4)
+LMSP_QUOTA_MAX_RUNNING = env_int("LMSP_QUOTA_MAX_RUNNING", 0)
 LMSP_QUOTA_MAX_QUEUED = env_int("LMSP_QUOTA_MAX_QUEUED", 200)
 LMSP_QUOTA_OUTPUT_TOKENS_PER_MINUTE = env_int("LMSP_QUOTA_OUTPUT_TOKENS_PER_MINUTE", 0)
 # Retry-After of a 429 for too many queued tasks.

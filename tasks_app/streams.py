@@ -38,7 +38,6 @@ from contextlib import aclosing
 
 from asgiref.sync import SyncToAsync
 from django.conf import settings
-from django.db import DatabaseError
 
 from lmsp_core.errors import ProblemError
 from lmsp_core.http import db_call
@@ -82,8 +81,7 @@ class TaskFeed:
         self.final_id: int | None = None  # id of the final event, once known
         self.task_final = False
         self.task_queued = False  # as the last read saw it, until an event says otherwise
-        self._position: asyncio.Future | None = None  # the shared queue-position read
-        self._position_at = 0.0
+        self.queue_position: int | None = None  # read with the position while queued
         self.pruned_through = 0
         self.gone = False  # the task itself was deleted
         self.ready = False  # the first read is done
@@ -122,24 +120,13 @@ class TaskFeed:
             self._joined[sent] = joined
         return joined
 
-    async def keepalive_frame(self) -> bytes:
+    def keepalive_frame(self) -> bytes:
         """``: queued N`` while the task waits in its queue, ``: keep-alive``
-        otherwise. The position is read at most once per keep-alive interval,
-        for all of the task's followers, and only while the task looks queued."""
-        if not self.task_queued:
-            return KEEPALIVE_FRAME
-        now = time.monotonic()
-        if self._position is None or now - self._position_at >= settings.LMSP_KEEPALIVE_SECONDS / 2:
-            self._position_at = now
-            self._position = asyncio.ensure_future(
-                db_call(fairness.queue_position_of, self.task_id)
-            )
-        try:
-            position = await asyncio.shield(self._position)
-        except DatabaseError:
-            self._position = None  # read again at the next keep-alive
-            return KEEPALIVE_FRAME
-        return KEEPALIVE_FRAME if position is None else queued_frame(position)
+        otherwise: the position comes with the feed's own reads (``_refresh``),
+        so keep-alives cost no query."""
+        if self.task_queued and self.queue_position is not None:
+            return queued_frame(self.queue_position)
+        return KEEPALIVE_FRAME
 
     def events_after(self, sent: int) -> list[StoredEvent]:
         """The events of ids ``sent + 1 .. last`` (``sent >= base``)."""
@@ -282,6 +269,8 @@ class TaskFeed:
             return
         self.task_final = position.status in FINAL_STATUSES
         self.task_queued = position.status == Status.QUEUED
+        if self.task_queued:  # one more read, shared by the task's followers
+            self.queue_position = await db_call(fairness.queue_position_of, self.task_id)
         self.pruned_through = position.pruned_through
         window = settings.LMSP_STREAM_WINDOW_EVENTS
         if not self.ready:
@@ -419,7 +408,7 @@ async def _deliveries(
                 return
             quiet = time.monotonic() - quiet_since
             if quiet >= settings.LMSP_KEEPALIVE_SECONDS:
-                yield await feed.keepalive_frame()
+                yield feed.keepalive_frame()
                 quiet_since = time.monotonic()
                 continue
             if feed.ready and sent < feed.base:  # a failed replay read: wait, then again

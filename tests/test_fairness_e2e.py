@@ -3,8 +3,8 @@ queue positions, through HTTP on the real stack (one model worker).
 
 Generations are short and greedy (``max_output_tokens`` 4, one prompt), so
 every task of these tests costs the same number of output tokens. Where a
-test needs tasks to wait, a fifth owner's long generation keeps the worker
-busy while the others submit, and is cancelled once they have.
+test needs tasks to wait, a fifth owner's long generations fill the worker's
+batch while the others submit, and are cancelled once they have.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from django.contrib.auth import get_user_model
 
+from generation.registry import get_model
 from tasks_app.models import OwnerQuota, Task
 
 from .conftest import LONG_STORY, make_token, request_body, user_message
@@ -43,21 +44,22 @@ def wait_for(client, task_id: str, statuses=FINAL, timeout: float = 300) -> dict
 
 
 class Blocker:
-    """A long generation of its own owner that keeps the one worker busy."""
+    """Long generations of an owner of their own that fill every batch slot of
+    the one worker (``max_batch``), so that the others' tasks wait."""
 
     def __init__(self, stack) -> None:
         self.client = stack.client(make_token("blocker"))
-        self.task = self.client.post(
-            "/lmsp/v1/tasks",
-            json={
-                "type": "response",
-                "request": request_body(input=[user_message(LONG_STORY)], max_output_tokens=400),
-            },
-        ).json()
-        wait_for(self.client, self.task["id"], {"in_progress"} | FINAL)
+        request = request_body(input=[user_message(LONG_STORY)], max_output_tokens=400)
+        self.tasks = [
+            self.client.post("/lmsp/v1/tasks", json={"type": "response", "request": request}).json()
+            for _ in range(get_model("smollm2:135m").max_batch)
+        ]
+        for task in self.tasks:
+            wait_for(self.client, task["id"], {"in_progress"} | FINAL)
 
     def release(self) -> None:
-        self.client.post(f"/lmsp/v1/tasks/{self.task['id']}/cancel")
+        for task in self.tasks:
+            self.client.post(f"/lmsp/v1/tasks/{task['id']}/cancel")
         self.client.close()
 
 

@@ -143,8 +143,9 @@ def test_a_hostile_schema_is_refused_in_time_and_the_web_stays_responsive(api):
     assert refused.status_code == 400, refused.text
     problem = refused.json()
     assert problem["code"] == "invalid_request"
-    assert problem["param"] == "response_format.json_schema.schema"
-    assert "longer than the limit" in problem["detail"]
+    # Refused by the schema bounds (LMSP_MAX_SCHEMA_DEPTH) before any compile, or
+    # by the compile's time limit: either way it names the schema (or a part of it).
+    assert problem["param"].startswith("response_format.json_schema.schema")
     assert elapsed < 5 + 5  # LMSP_GRAMMAR_TIMEOUT_SECONDS plus the machine's load
     assert len(latencies) >= 5 and max(latencies) < 2, latencies
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -122,20 +123,26 @@ def test_store_false_leaves_nothing_behind(api):
 
 
 def test_queue_waits_are_kept_alive_with_comments(api):
-    """The stack sends ``: keep-alive`` after 1 s of quiet (15 s in production)."""
-    busy = api.post(
-        "/lmsp/v1/tasks",
-        json={"type": "response", "request": request_body(LONG_STORY, max_output_tokens=60)},
-    ).json()
+    """The stack sends a keep-alive comment after 1 s of quiet (15 s in
+    production); while the request waits in the queue it is ``: queued N``."""
+    slots = get_model("smollm2:135m").max_batch  # fill the worker's batch
+    busy = [
+        api.post(
+            "/lmsp/v1/tasks",
+            json={"type": "response", "request": request_body(LONG_STORY, max_output_tokens=60)},
+        ).json()
+        for _ in range(slots)
+    ]
     with api.stream(
         "POST", "/lmsp/v1/responses", json=request_body(stream=True, max_output_tokens=4)
     ) as answer:
         raw = "".join(answer.iter_text())
     before_output = raw.split("response.output_item.added")[0]
-    assert ": keep-alive\n\n" in before_output  # sent while queued behind the busy task
+    assert re.search(r"^: (keep-alive|queued [0-9]+)$", before_output, re.M)  # while queued
     events = parse_sse(raw)
     assert [e["id"] for e in events] == list(range(1, len(events) + 1))
-    assert api.get(f"/lmsp/v1/tasks/{busy['id']}").json()["status"] != "queued"
+    for task in busy:
+        assert api.get(f"/lmsp/v1/tasks/{task['id']}").json()["status"] != "queued"
 
 
 def test_a_synchronous_client_that_gives_up_cancels_its_generation(api, stack, token):
