@@ -135,14 +135,9 @@ def main() -> int:
     parser.add_argument("--flush-tokens", type=int, default=2)
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 4096])
     args = parser.parse_args()
-    if os.environ.get("DATABASE_URL") and os.environ.get("REDIS_URL"):
-        run(args.lengths, args.flush_tokens)
-        return 0
-    from lmsp_project.devstack import services
+    from lmsp_project.devstack import with_services
 
-    with services() as extra:
-        os.environ.update(extra)
-        run(args.lengths, args.flush_tokens)
+    with_services(lambda: run(args.lengths, args.flush_tokens))
     return 0
 
 

@@ -132,14 +132,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--demand", type=int, nargs="+", default=[10, 8, 6, 4])
     args = parser.parse_args()
-    if os.environ.get("DATABASE_URL") and os.environ.get("REDIS_URL"):
-        run(args.tokens, args.demand)
-        return 0
-    from lmsp_project.devstack import services
+    from lmsp_project.devstack import with_services
 
-    with services() as extra:
-        os.environ.update(extra)
-        run(args.tokens, args.demand)
+    with_services(lambda: run(args.tokens, args.demand))
     return 0
 
 

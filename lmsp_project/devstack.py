@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from lmsp_project import localservices
@@ -92,6 +92,17 @@ def services() -> Iterator[dict[str, str]]:
             env["REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
             print(f"Embedded Redis: {env['REDIS_URL']}", flush=True)
         yield env
+
+
+def with_services(run: Callable[[], object]) -> None:
+    """Call ``run`` with DATABASE_URL / REDIS_URL naming servers that are up: the
+    environment's, or embedded ones started for the call (the benchmarks)."""
+    if os.environ.get("DATABASE_URL") and os.environ.get("REDIS_URL"):
+        run()
+        return
+    with services() as extra:
+        os.environ.update(extra)
+        run()
 
 
 def manage(*args: str, env: dict[str, str]) -> None:
