@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import contextlib
 import json
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -9,6 +11,7 @@ from django.db import connections
 
 from accounts_app.models import SCOPES
 from accounts_app.services import create_token
+from lmsp_core.status import FINAL_STATUSES as FINAL
 from lmsp_project.celery import app as celery_app
 from lmsp_project.devstack import free_port
 
@@ -54,8 +57,24 @@ def make_token(username: str = "alice", scopes: list[str] | None = None) -> str:
 
 
 @pytest.fixture
-def token(transactional_db) -> str:  # noqa: ANN001
-    return make_token()
+def token(transactional_db) -> Iterator[str]:  # noqa: ANN001
+    yield make_token()
+    settle_generations()
+
+
+def settle_generations(timeout: float = 120) -> None:
+    """Cancel what a test left queued or running and wait until the worker has
+    let go of it: the database is emptied after each test, and emptying it
+    while a worker still writes a flush can deadlock."""
+    from tasks_app import lifecycle
+    from tasks_app.models import Task
+
+    for task_id in Task.objects.exclude(status__in=FINAL).values_list("id", flat=True):
+        with contextlib.suppress(Exception):  # already final, or gone meanwhile
+            lifecycle.request_cancel(task_id)
+    deadline = time.monotonic() + timeout
+    while Task.objects.exclude(status__in=FINAL).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 @pytest.fixture

@@ -147,7 +147,9 @@ def test_a_hostile_schema_is_refused_in_time_and_the_web_stays_responsive(api):
     # by the compile's time limit: either way it names the schema (or a part of it).
     assert problem["param"].startswith("response_format.json_schema.schema")
     assert elapsed < 5 + 5  # LMSP_GRAMMAR_TIMEOUT_SECONDS plus the machine's load
-    assert len(latencies) >= 5 and max(latencies) < 2, latencies
+    # the web answered other requests all along (the compile's own time limit,
+    # when a schema passes the bounds, is tested in test_hardening.py)
+    assert latencies and max(latencies) < 2, latencies
 
 
 def test_a_one_argument_tool_call_is_compact(api):

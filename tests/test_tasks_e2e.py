@@ -9,6 +9,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 
+from generation.registry import get_model
 from responses_app.models import Response
 from responses_app.serializers import validate_response_request
 from tasks_app.idempotency import fingerprint
@@ -202,6 +203,9 @@ def test_fifty_live_readers_each_get_every_event_once_in_order(api, stack, token
 
 def test_cancel_running_queued_and_final_tasks(api):
     running = create_task(api, input=[user_message(LONG_STORY)], max_output_tokens=400)
+    # the rest of the worker's batch, so that the next task has to wait
+    for _ in range(get_model("smollm2:135m").max_batch - 1):
+        create_task(api, input=[user_message(LONG_STORY)], max_output_tokens=400)
     queued = create_task(api, max_output_tokens=4)
     wait_for_events(running["id"], 4)
     assert api.get(f"/lmsp/v1/tasks/{queued['id']}").json()["status"] == "queued"
