@@ -73,12 +73,19 @@ def _bucket(name: str, seconds: float) -> str:
     return "+Inf"
 
 
+# Recording is best effort and never fails the work it counts: besides Redis's
+# own errors, a connection broken under one of a worker's threads surfaces from
+# redis-py's socket reader as OSError or ValueError (seen after a worker restart,
+# where it failed the generations that pushed their token counts).
+RECORDING_ERRORS = (redis.RedisError, OSError, ValueError)
+
+
 def count_request(endpoint: str, method: str, status: int) -> None:
     """One HTTP request answered by a web process."""
     field = FIELD_SEPARATOR.join((endpoint, method, str(status)))
     try:
         client().hincrby(REQUESTS_KEY, field, 1)
-    except redis.RedisError as exc:
+    except RECORDING_ERRORS as exc:
         log.debug("request not counted: %s", exc)
 
 
@@ -86,7 +93,7 @@ def job_succeeded(job: str) -> None:
     """A periodic job (the sweeper, the pruner) ran to its end just now."""
     try:
         client().hset(JOBS_KEY, job, repr(time.time()))
-    except redis.RedisError as exc:
+    except RECORDING_ERRORS as exc:
         log.warning("last run of %s not recorded: %s", job, exc)
 
 
@@ -147,7 +154,7 @@ def _push(model: str, pending: dict[str, dict[str, float]]) -> None:
         if snapshot["tokens"]:
             pipe.hincrby(OUTPUT_TOKENS_KEY, model, int(snapshot["tokens"]["n"]))
         pipe.execute()
-    except redis.RedisError as exc:
+    except RECORDING_ERRORS as exc:
         log.warning("token metrics of %s not recorded: %s", model, exc)
 
 
@@ -162,14 +169,14 @@ def _streams_add(delta: int) -> None:
         pipe.incrby(key, delta)
         pipe.expire(key, STREAMS_TTL_SECONDS)
         pipe.execute()
-    except redis.RedisError as exc:
+    except RECORDING_ERRORS as exc:
         log.debug("open streams not counted: %s", exc)
 
 
 def _streams_touch() -> None:
     try:
         client().expire(_streams_key(), STREAMS_TTL_SECONDS)
-    except redis.RedisError as exc:
+    except RECORDING_ERRORS as exc:
         log.debug("open streams not renewed: %s", exc)
 
 

@@ -30,7 +30,10 @@ def publish(task_id: str, events: Iterable[tuple[int, str, str]]) -> None:
     message = json.dumps({"task": task_id, "events": list(events)})
     try:
         redis_client().publish(CHANNEL, message)
-    except redis.RedisError as exc:
+    except (redis.RedisError, OSError, ValueError) as exc:
+        # OSError / ValueError: a connection broken under one of a worker's
+        # threads, as redis-py's socket reader reports it. The events are
+        # committed; readers find them in PostgreSQL.
         log.warning("Could not publish events of %s: %s", task_id, exc)
 
 
