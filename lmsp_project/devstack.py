@@ -91,6 +91,8 @@ def services() -> Iterator[dict[str, str]]:
             stack.callback(redis.terminate)
             env["REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
             print(f"Embedded Redis: {env['REDIS_URL']}", flush=True)
+        if env:  # embedded servers make a development run: the built-in key is fine
+            env["LMSP_DEVELOPMENT"] = "1"
         yield env
 
 
