@@ -34,21 +34,37 @@ class EventLog:
         ``task`` must be locked (``select_for_update``) in the current
         transaction; the caller saves it (``last_event_id`` included).
         """
-        if not events:
-            return []
+        return EventLog.append_many([(task, events)])[0]
+
+    @staticmethod
+    def append_many(appends: list[tuple[Task, list[tuple[str, dict]]]]) -> list[list[StoredEvent]]:
+        """``append`` for several tasks in one INSERT: a worker's runs flushed
+        together (``tasks_app.lifecycle.record_progress_many``)."""
+        if not any(events for _, events in appends):
+            return [[] for _ in appends]
         assert transaction.get_connection().in_atomic_block, "EventLog.append needs a transaction"
         now = timezone.now()
-        stored = [
-            StoredEvent(task.last_event_id + offset, name, dumps(data))
-            for offset, (name, data) in enumerate(events, start=1)
-        ]
-        Event.objects.bulk_create(
-            Event(task_id=task.id, seq=e.id, type=e.event, data=e.data, created_at=now)
-            for e in stored
-        )
-        task.last_event_id = stored[-1].id
-        task_id = task.id
-        transaction.on_commit(
-            lambda: notify.publish(task_id, [(e.id, e.event, e.data) for e in stored])
-        )
-        return stored
+        rows: list[Event] = []
+        stored_per_task = []
+        for task, events in appends:
+            stored = [
+                StoredEvent(task.last_event_id + offset, name, dumps(data))
+                for offset, (name, data) in enumerate(events, start=1)
+            ]
+            stored_per_task.append(stored)
+            if not stored:
+                continue
+            rows += (
+                Event(task_id=task.id, seq=e.id, type=e.event, data=e.data, created_at=now)
+                for e in stored
+            )
+            task.last_event_id = stored[-1].id
+            _publish_on_commit(task.id, stored)
+        Event.objects.bulk_create(rows)
+        return stored_per_task
+
+
+def _publish_on_commit(task_id: str, stored: list[StoredEvent]) -> None:
+    transaction.on_commit(
+        lambda: notify.publish(task_id, [(e.id, e.event, e.data) for e in stored])
+    )

@@ -80,6 +80,86 @@ def test_cancel_flag_stops_the_run_at_its_first_step():
     assert events_of(task)[-1][1] == "response.cancelled"
 
 
+def test_flushes_of_several_runs_are_written_in_one_go_each_fenced_by_its_attempt():
+    from tasks_app.models import TokenChunk
+
+    tasks = [new_task(max_output_tokens=8) for _ in range(3)]
+    claimed = [lifecycle.claim(task.id, f"w{i}") for i, task in enumerate(tasks)]
+    assert {c.id for c in claimed} == {t.id for t in tasks}
+    handed_on = claimed[1]
+    Task.objects.filter(id=handed_on.id).update(attempt=handed_on.attempt + 1)
+    flushes = [
+        lifecycle.Flush(
+            c.id,
+            c.attempt,
+            [("response.output_text.delta", {"delta": f"row {i}"})],
+            [100 + i, 200 + i],
+            {"tokens": 2, "detokenizer": {}, "assembler": {}},
+        )
+        for i, c in enumerate(claimed)
+    ]
+    results = lifecycle.record_progress_many(flushes)
+    assert [r.owned for r in results] == [True, False, True]
+    for i, c in enumerate(claimed):
+        task = Task.objects.get(id=c.id)
+        names = [name for _, name, _ in events_of(task)]
+        chunks = list(TokenChunk.objects.filter(task=task).values_list("start", "token_ids"))
+        if i == 1:  # fenced out: nothing written, nothing renewed
+            assert names == ["response.created"] and chunks == [] and task.checkpoint is None
+        else:
+            assert names == ["response.created", "response.output_text.delta"]
+            assert events_of(task)[-1][2] == {"delta": f"row {i}"}
+            assert task.last_event_id == 2 and task.checkpoint["tokens"] == 2
+            assert chunks == [(0, [100 + i, 200 + i])]
+
+
+def test_flush_group_writes_concurrent_flushes_and_a_bad_one_fails_alone():
+    """Flushes from many job threads at once (one batched worker) are grouped;
+    every run's events stay contiguous, and a flush PostgreSQL refuses fails
+    only its own run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from django.db import connection
+
+    from workers.flushing import FlushGroup
+
+    group = FlushGroup()
+    tasks = [new_task(max_output_tokens=8) for _ in range(6)]
+    claimed = [lifecycle.claim(task.id, f"w{i}") for i, task in enumerate(tasks)]
+
+    def run(i: int) -> str:
+        c = claimed[i]
+        try:
+            for step in range(5):
+                # row 0's third flush holds a NUL in an event name: PostgreSQL refuses it
+                name = "bad\x00name" if (i, step) == (0, 2) else "response.output_text.delta"
+                progress = group.write(
+                    lifecycle.Flush(
+                        c.id,
+                        c.attempt,
+                        [(name, {"delta": str(step)})],
+                        [step],
+                        {"tokens": step + 1},
+                    )
+                )
+                assert progress.owned
+            return "ok"
+        except Exception as exc:
+            return type(exc).__name__
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(6) as pool:
+        outcomes = list(pool.map(run, range(6)))
+    assert outcomes[0] != "ok" and outcomes[1:] == ["ok"] * 5
+    for i, c in enumerate(claimed):
+        task = Task.objects.get(id=c.id)
+        events = events_of(task)
+        assert [seq for seq, _, _ in events] == list(range(1, task.last_event_id + 1))
+        deltas = [d["delta"] for _, name, d in events if name == "response.output_text.delta"]
+        assert deltas == (["0", "1"] if i == 0 else ["0", "1", "2", "3", "4"])
+
+
 def test_expired_leases_are_requeued_until_attempts_run_out(settings):
     settings.LMSP_MAX_ATTEMPTS = 2
     task = new_task()

@@ -3,10 +3,12 @@
 The run claims the task, restores where an earlier attempt stopped (its
 checkpoint), generates in the model's continuous batch (``batching``), and
 writes events in batches: one transaction per flush, at most every
-``LMSP_FLUSH_INTERVAL_SECONDS``. Each flush also renews the lease and reads
-the cancel flag, so a cancel or a lost lease takes the request out of the
-batch at the next decoding step after it. A worker runs several of these at
-once, one per Celery thread, all feeding the same engine.
+``LMSP_FLUSH_INTERVAL_SECONDS`` (the first token at once: it is the one a
+user waits for). Each flush also renews the lease and reads the cancel flag,
+so a cancel or a lost lease takes the request out of the batch at the next
+decoding step after it. A worker runs several of these at once, one per
+Celery thread, all feeding the same engine; flushes that arrive together
+are written together (``flushing``).
 """
 
 from __future__ import annotations
@@ -15,9 +17,8 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 
 from django.conf import settings
@@ -37,9 +38,15 @@ from tasks_app.models import Task
 
 from . import constraints, engine
 from .batching import engine_for
+from .flushing import flush_group
 from .loading import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
+
+# A run that gets no token (waiting for a batch slot, or behind a long
+# prefill) still flushes to notice a cancel or a lost lease, but this rarely:
+# such a flush would only take CPU from the prefill it waits for.
+IDLE_FLUSH_SECONDS = 0.25
 
 
 def worker_name() -> str:
@@ -86,8 +93,9 @@ class GenerationRun:
         )
         self.offsets = restored.detokenizer
         self.pending: list[tuple[str, dict]] = []
-        self.last_flush = 0.0
-        self.stop: str | None = None  # "cancelled" or "lost"
+        self.events_flushed = False  # by this attempt
+        # Read under the claim's lock: a cancel before the start needs no flush.
+        self.stop: str | None = "cancelled" if task.cancel_requested else None  # or "lost"
         self.ended_by_model = False
         self.ended_by_grammar = False  # complete, but the token limit came before the end token
         # LMSP_MAX_JOB_SECONDS from the task's first start, over all attempts.
@@ -97,13 +105,15 @@ class GenerationRun:
         self.past_deadline = False
 
     def run(self) -> str | None:
-        lm = load_model(self.spec)
-        detok = engine.IncrementalDetokenizer(lm.tokenizer, **self.offsets)
-        self._flush(detok)  # notices a cancel before starting
-        remaining = self.params.max_output_tokens - len(self.token_ids)
-        if self.stop is None and remaining > 0 and not self._past_deadline():
-            prompt_ids = lm.tokenizer(self.response.prompt, add_special_tokens=False)["input_ids"]
-            with self._lease_kept():
+        # The lease is kept from the claim on: loading the model (a worker's
+        # first task) can take longer than the lease.
+        with self._lease_kept():
+            lm = load_model(self.spec)
+            detok = engine.IncrementalDetokenizer(lm.tokenizer, **self.offsets)
+            remaining = self.params.max_output_tokens - len(self.token_ids)
+            if self.stop is None and remaining > 0 and not self._past_deadline():
+                prompt = self.response.prompt
+                prompt_ids = lm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
                 self._decode(lm, detok, prompt_ids, remaining)
         self.ended_by_grammar = not self.ended_by_model and constraints.ended(
             lm, self.params, self.token_ids
@@ -125,8 +135,8 @@ class GenerationRun:
 
         The engine thread only decodes; this job's thread turns the tokens into
         events and writes them, so a slow flush never holds up the batch. A
-        flush also runs when no token came for a flush interval (the request
-        may wait for a batch slot), so a cancel is noticed then too.
+        flush also runs when no token came for ``IDLE_FLUSH_SECONDS`` (the
+        request may wait for a batch slot), so a cancel is noticed then too.
         """
         generation = engine_for(lm, self.spec.max_batch).submit(
             prompt_ids,
@@ -135,25 +145,34 @@ class GenerationRun:
             grammar=constraints.compiled_grammar(lm, self.params),
         )
         interval = settings.LMSP_FLUSH_INTERVAL_SECONDS
+        stack, decoding = ExitStack(), None
         # Counts and times the tokens for /metrics; a resumed answer has no first token.
         timer = recorders.TokenTimer(
             self.spec.id, None if self.token_ids else self.response.created_at
         )
         try:
-            for token_id in generation.tokens(poll=interval):
-                if token_id is not None:
+            for token_id in generation.tokens(poll=IDLE_FLUSH_SECONDS):
+                due = flush_group.due(interval)
+                if token_id is None:
+                    due = True  # no token for IDLE_FLUSH_SECONDS
+                else:
                     timer.tick()
+                    if decoding is None:  # in the batch now: its flushes are grouped
+                        decoding = stack.enter_context(flush_group.decoding())
                 if token_id in lm.eos_token_ids:
                     self.ended_by_model = True
                 elif token_id is not None:
                     self.token_ids.append(token_id)
                     self.pending += self.assembler.feed(detok.step(self.token_ids))
-                if time.monotonic() - self.last_flush >= interval:
+                    # The first event a user sees goes out at once.
+                    due = due or (not self.events_flushed and bool(self.pending))
+                if due:
                     self._flush(detok)
                 if self.stop is not None or self._past_deadline():
                     return
         finally:
             generation.cancel()  # leaves the batch at its next step; no-op once finished
+            stack.close()
             timer.push()
         if generation.error is not None:
             raise generation.error
@@ -197,12 +216,12 @@ class GenerationRun:
             "assembler": self.assembler.compact_state(),
         }
         new_token_ids = self.token_ids[self.flushed_tokens :]
-        progress = lifecycle.record_progress(
-            self.task_id, self.attempt, self.pending, new_token_ids, checkpoint
+        progress = flush_group.write(
+            lifecycle.Flush(self.task_id, self.attempt, self.pending, new_token_ids, checkpoint)
         )
         self.flushed_tokens = len(self.token_ids)
+        self.events_flushed = self.events_flushed or bool(self.pending)
         self.pending = []
-        self.last_flush = time.monotonic()
         if not progress.owned:
             self.stop = "lost"
         elif progress.cancel_requested:
