@@ -4,7 +4,9 @@ The assembler is fed the model's text as it is decoded and answers with the
 events that text makes: a message item and its deltas, a reasoning item for
 ``<think>...</think>``, a function call for ``<tool_call>{...}</tool_call>``.
 Markers may arrive split over several chunks, so the tail of the text that
-could still become a marker is held back until it is decided.
+could still become a marker is held back until it is decided. When a call is
+forced, the prompt already opened it (``opens_call``): the output is the
+call's JSON alone, and the assembler starts inside the call.
 
 Its whole state is a JSON dict (``state()``). A checkpoint stores it
 without the text of its items (``compact_state()``), which the event log
@@ -18,14 +20,39 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from lmsp_core import protocol
 from lmsp_core.ids import new_id
+
+if TYPE_CHECKING:
+    from .params import GenerationParams
+    from .registry import ModelSpec
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # The events whose deltas hold the text of message and reasoning items.
 TEXT_DELTA_EVENTS = ("response.output_text.delta", "response.reasoning_summary_text.delta")
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+# What the prompt ends with when it opens a forced call (``opens_call``).
+CALL_OPENING = f"{TOOL_OPEN}\n"
+
+
+def opens_call(params: GenerationParams, spec: ModelSpec) -> bool:
+    """Whether the prompt ends with a call's opening tag (``CALL_OPENING``), so
+    that the output is the call's JSON alone, ended by the model's end token.
+
+    When a call is forced (``tool_choice`` ``required`` or a named tool) its
+    tags say nothing the request has not decided, yet greedy SmolLM2 spent 12
+    output tokens of 32 on them. Opened in the prompt, the tag still shows the
+    model the format it was told, and the closing tag is left out: the
+    grammar ends with the JSON, and then only an end token is allowed. The
+    prompt (``prompts``), the grammar (``schemas``) and the output parser
+    (``OutputAssembler.for_generation``) all ask here, so that they agree.
+    Only for models that write calls in these tags (``tool_format`` hermes:
+    SmolLM2 told so by the tools preamble, Qwen3 by its own chat template),
+    the format the grammar forces in any case.
+    """
+    return params.forces_call and spec.tool_format == "hermes"
 
 
 def _held_back(text: str, markers: tuple[str, ...]) -> int:
@@ -67,17 +94,35 @@ class OutputAssembler:
         *,
         parse_tools: bool = False,
         parse_reasoning: bool = False,
+        in_call: bool = False,
     ) -> None:
+        """``in_call``: the prompt opened a call, so the text starts with its
+        JSON (``opens_call``); it ends with the generation, no closing tag."""
         self.response_id = response_id
         state = state or {
             "items": [],
             "open": None,
-            "mode": "text",
+            "mode": "tool" if in_call else "text",
             "buf": "",
             "tools": parse_tools,
             "reasoning": parse_reasoning,
         }
         self._s = state
+
+    @classmethod
+    def for_generation(
+        cls, response_id: str, params: GenerationParams, spec: ModelSpec
+    ) -> OutputAssembler:
+        """The assembler for a new generation of ``params`` by the model of
+        ``spec``: the one place that says what its output may hold (calls,
+        thoughts) and whether it starts inside a call, as its prompt and
+        grammar were built."""
+        return cls(
+            response_id,
+            parse_tools=params.calls_tools,
+            parse_reasoning=spec.has("reasoning"),
+            in_call=opens_call(params, spec),
+        )
 
     # --- state -----------------------------------------------------------------
 
@@ -149,6 +194,7 @@ class OutputAssembler:
                 s["buf"] = buf[len(said) :]
                 return events
             # mode == "tool": a call is emitted whole once its closing tag arrives
+            # (or, opened by the prompt, at the end: ``close``)
             index = buf.find(TOOL_CLOSE)
             if index < 0:
                 return events
@@ -175,7 +221,9 @@ class OutputAssembler:
         already whole (just its closing tag missing); an unfinished one is
         dropped: its arguments are no JSON a client could run, and its markup
         is no text for the message. The response's status (``incomplete``,
-        ``cancelled``, ``failed``) says that the output stopped short.
+        ``cancelled``, ``failed``) says that the output stopped short. A call
+        the prompt opened (``in_call``) has no closing tag at all: it is
+        emitted here, at the end of the generation, once its JSON is whole.
         """
         s = self._s
         buf, s["buf"] = s["buf"], ""

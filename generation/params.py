@@ -51,6 +51,14 @@ class GenerationParams:
         return self.response_format["json_schema"]["schema"]
 
     @property
+    def forces_call(self) -> bool:
+        """Whether the answer must be a tool call (``required`` or a named tool):
+        then the model has nothing to decide but which call, and with what."""
+        return bool(self.tools) and (
+            self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+        )
+
+    @property
     def calls_tools(self) -> bool:
         """Whether the model may call a tool (the output parser looks for calls)."""
         return bool(self.tools) and self.tool_choice != "none"

@@ -7,14 +7,16 @@ tokenizes exactly that text.
 Tools reach the model through its chat template when the template knows
 tools; otherwise they are described in a system preamble in the Hermes/Qwen
 style (``<tools>`` ... ``</tools>``, calls in ``<tool_call>`` tags), the
-format the output parser and the grammars in ``schemas`` expect.
+format the output parser and the grammars in ``schemas`` expect. When a call
+is forced, the prompt ends with its opening tag (``output.opens_call``): the
+model then writes only the call's JSON.
 """
 
 from __future__ import annotations
 
 import json
 
-from .output import TOOL_CLOSE, TOOL_OPEN
+from .output import CALL_OPENING, TOOL_CLOSE, TOOL_OPEN, opens_call
 from .params import GenerationParams
 from .registry import ModelSpec
 from .schemas import NO_PARAMETERS
@@ -163,6 +165,9 @@ def has_native_tools(tokenizer: PromptTokenizer) -> bool:
 def render_prompt(
     spec: ModelSpec, tokenizer: PromptTokenizer, items: list[dict], params: GenerationParams
 ) -> str:
+    """The text the model reads for ``items``, up to where its answer starts:
+    after the assistant's generation prompt, or inside the call a request
+    forces (``CALL_OPENING``), whose tag is then input, not output."""
     native_tools = has_native_tools(tokenizer)
     messages = chat_messages(items, native_tools)
     extra = system_instructions(params, native_tools)
@@ -173,4 +178,5 @@ def render_prompt(
             messages.insert(0, {"role": "system", "content": extra})
     tools = _offered_tools(params)
     native = [_function(tool) for tool in tools] if native_tools and tools else None
-    return tokenizer.render(messages, native)
+    prompt = tokenizer.render(messages, native)
+    return prompt + CALL_OPENING if opens_call(params, spec) else prompt

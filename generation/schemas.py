@@ -4,11 +4,13 @@ A request's constraint is one structural tag, built from its
 ``response_format``, ``tools`` and ``tool_choice``:
 
 - a ``json_schema`` answer: JSON valid for the schema, nothing else;
-- ``tool_choice`` ``required`` or a named tool: exactly one
-  ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` of an allowed
-  tool, its arguments valid for that tool's ``parameters``;
-- ``auto``: free text, but once the model writes ``<tool_call>`` the call must
-  be complete and valid (the trigger mechanism vLLM uses);
+- ``tool_choice`` ``required`` or a named tool: exactly one call
+  ``{"name":...,"arguments":...}`` of an allowed tool, its arguments valid
+  for that tool's ``parameters``, and nothing after it but the end token:
+  the prompt ends with the call's opening tag (``output.opens_call``);
+- ``auto``: free text, but once the model writes ``<tool_call>`` the call
+  (``<tool_call>\\n{...}\\n</tool_call>``) must be complete and valid (the
+  trigger mechanism vLLM uses);
 - ``none`` with tools: free text that never opens a call.
 
 Plain text requests need no constraint. The web process checks here that a
@@ -23,7 +25,7 @@ from __future__ import annotations
 import json
 
 from . import grammar_limits
-from .output import TOOL_CLOSE, TOOL_OPEN
+from .output import CALL_OPENING, TOOL_CLOSE, TOOL_OPEN, opens_call
 from .params import GenerationParams
 from .registry import ModelSpec
 
@@ -41,37 +43,45 @@ def _json(schema: dict) -> dict:
 
 def _compact_json(schema: dict) -> dict:
     """A call's arguments: compact JSON (``{"city":"Paris"}``), no whitespace at
-    all, so that the model spends no token on it (greedy SmolLM2 writes a
-    one-argument call in 32 tokens, 34 with whitespace allowed; the two tags
-    alone are 10 of them). xgrammar's structural tags cannot say "no
-    whitespace" (``max_whitespace_cnt`` must be positive), so this is our own
-    format, turned into a grammar where xgrammar is loaded
+    all, so that the model spends no token on it. Greedy SmolLM2 writes a
+    forced ``get_weather(city="Paris")`` in 20 output tokens, end token
+    included (19 with the tool named; ``bench/bench_call_tokens.py``): the
+    JSON alone, the prompt having opened the call (``output.opens_call``).
+    With the tags in the output it took 32, 12 of them on the tags, and 34
+    with whitespace allowed.
+    xgrammar's structural tags cannot say "no whitespace"
+    (``max_whitespace_cnt`` must be positive), so this is our own format,
+    turned into a grammar where xgrammar is loaded
     (``generation.grammar_limits.resolve_compact_json``)."""
     return {"type": COMPACT_JSON, "json_schema": schema}
 
 
-def _call(tool: dict) -> dict:
+def _call(tool: dict, opened: bool = False) -> dict:
     """One tool's call in the Hermes format the output parser reads back, as
-    compact JSON: ``<tool_call>\\n{"name":"f","arguments":{"a":1}}\\n</tool_call>``."""
+    compact JSON: ``<tool_call>\\n{"name":"f","arguments":{"a":1}}\\n</tool_call>``;
+    ``opened`` (the prompt ends with ``CALL_OPENING``): the JSON alone."""
+    begin = f'{{"name":{json.dumps(tool["name"])},"arguments":'
     return {
         "type": "tag",
-        "begin": f'{TOOL_OPEN}\n{{"name":{json.dumps(tool["name"])},"arguments":',
+        "begin": begin if opened else CALL_OPENING + begin,
         "content": _compact_json(tool.get("parameters") or NO_PARAMETERS),
-        "end": f"}}\n{TOOL_CLOSE}",
+        "end": "}" if opened else f"}}\n{TOOL_CLOSE}",
     }
 
 
-def grammar_format(params: GenerationParams) -> dict | None:
-    """The structural tag format a request's output must match; None for free text."""
+def grammar_format(params: GenerationParams, spec: ModelSpec) -> dict | None:
+    """The structural tag format a request's output must match, from the model
+    of ``spec`` (whose prompt may open a forced call); None for free text."""
     tools, choice = params.tools, params.tool_choice
     answer = _json(params.json_schema) if params.json_schema is not None else None
     if not tools:
         return answer
     if choice == "none":
         return answer or {"type": "any_text", "excludes": [TOOL_OPEN]}
+    opened = opens_call(params, spec)
     if isinstance(choice, dict):
-        return _call(next(t for t in tools if t["name"] == choice["name"]))
-    calls = [_call(tool) for tool in tools]
+        return _call(next(t for t in tools if t["name"] == choice["name"]), opened)
+    calls = [_call(tool, opened) for tool in tools]
     if choice == "required":
         return calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
     if answer is not None:  # auto with a schema: either a call or the JSON answer

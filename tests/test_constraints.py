@@ -48,9 +48,14 @@ def message(role: str, text: str) -> dict:
     return {"type": "message", "role": role, "content": [{"type": "input_text", "text": text}]}
 
 
+def call_json(name: str, arguments: dict) -> str:
+    """A forced call as the model writes it: the prompt opened the tag."""
+    return json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"))
+
+
 def call_text(name: str, arguments: dict) -> str:
-    body = json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"))
-    return f"<tool_call>\n{body}\n</tool_call>"
+    """A call in Hermes tags, as the model writes it where it chooses to call."""
+    return f"<tool_call>\n{call_json(name, arguments)}\n</tool_call>"
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +108,7 @@ def prompt_ids(lm, params: GenerationParams, text: str) -> list[int]:
 
 def test_plain_text_has_no_grammar(lm):
     params = GenerationParams(response_format={"type": "text"}, tools=[], tool_choice="auto")
-    assert schemas.grammar_format(params) is None
+    assert schemas.grammar_format(params, lm.spec) is None
     assert constraints.logits_processors(lm, params, []) == []
     assert constraints.ended(lm, params, tokens(lm, "Hello there.")) is False
 
@@ -119,20 +124,24 @@ def test_json_schema_grammar_accepts_valid_and_rejects_invalid(lm):
 
 def test_required_allows_only_a_call_of_a_listed_tool(lm):
     params = GenerationParams(tools=[WEATHER, TIME], tool_choice="required")
-    assert accepts(lm, params, call_text("get_weather", {"city": "Oslo", "unit": "celsius"}))
-    assert accepts(lm, params, call_text("get_time", {"zone": "UTC"}))
-    assert not accepts(lm, params, call_text("get_weather", {"city": "Oslo", "unit": "kelvin"}))
-    assert not accepts(lm, params, call_text("get_weather", {"city": "Oslo"}))
-    assert not accepts(lm, params, call_text("launch_rocket", {}))
+    assert accepts(lm, params, call_json("get_weather", {"city": "Oslo", "unit": "celsius"}))
+    assert accepts(lm, params, call_json("get_time", {"zone": "UTC"}))
+    assert not accepts(lm, params, call_json("get_weather", {"city": "Oslo", "unit": "kelvin"}))
+    assert not accepts(lm, params, call_json("get_weather", {"city": "Oslo"}))
+    assert not accepts(lm, params, call_json("launch_rocket", {}))
     assert not accepts(lm, params, "It is sunny.")
+    # the prompt opened the call: no tags, no whitespace, nothing after the JSON
+    assert not accepts(lm, params, call_text("get_time", {"zone": "UTC"}))
+    assert not accepts(lm, params, '{"name": "get_time", "arguments": {"zone": "UTC"}}')
+    assert not accepts(lm, params, call_json("get_time", {"zone": "UTC"}) + "\n</tool_call>")
 
 
 def test_named_tool_choice_allows_only_that_tool(lm):
     params = GenerationParams(
         tools=[WEATHER, TIME], tool_choice={"type": "function", "name": "get_time"}
     )
-    assert accepts(lm, params, call_text("get_time", {"zone": "UTC"}))
-    assert not accepts(lm, params, call_text("get_weather", {"city": "Oslo", "unit": "celsius"}))
+    assert accepts(lm, params, call_json("get_time", {"zone": "UTC"}))
+    assert not accepts(lm, params, call_json("get_weather", {"city": "Oslo", "unit": "celsius"}))
 
 
 def test_auto_allows_text_and_constrains_a_call_once_started(lm):
@@ -170,9 +179,10 @@ def test_ended_once_the_json_is_complete(lm):
 
 
 def test_ended_after_a_required_call_but_not_in_auto_text(lm):
-    call = tokens(lm, call_text("get_weather", {"city": "Oslo", "unit": "celsius"}))
-    assert constraints.ended(lm, GenerationParams(tools=[WEATHER], tool_choice="required"), call)
+    forced = tokens(lm, call_json("get_weather", {"city": "Oslo", "unit": "celsius"}))
+    assert constraints.ended(lm, GenerationParams(tools=[WEATHER], tool_choice="required"), forced)
     # in auto mode the model may go on writing after a call
+    call = tokens(lm, call_text("get_weather", {"city": "Oslo", "unit": "celsius"}))
     assert not constraints.ended(lm, GenerationParams(tools=[WEATHER], tool_choice="auto"), call)
 
 
@@ -195,9 +205,7 @@ def test_resumed_generation_advances_the_grammar_through_earlier_tokens(lm):
     assert len(first) == 12 and not constraints.ended(lm, params, first)
     out = generate(lm, params, ids, first, limit=60)
     assert out[:12] == first
-    text = lm.tokenizer.decode(out)
-    assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
-    call = json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))
+    call = json.loads(lm.tokenizer.decode(out))  # the prompt opened the call: JSON alone
     assert call["name"] == "get_weather"
     jsonschema.validate(call["arguments"], WEATHER["parameters"])
 
@@ -252,6 +260,22 @@ def test_tool_choice_decides_which_tools_the_model_is_shown(lm):
     assert '"get_time"' in prompt and '"get_weather"' not in prompt
     none = GenerationParams(tools=[WEATHER], tool_choice="none")
     assert "<tools>" not in render(lm, user, none)
+
+
+def test_a_forced_call_is_opened_by_the_prompt(lm):
+    """With ``required`` or a named tool the tags say nothing: the prompt ends
+    inside the call, so the model's output tokens go to the JSON alone."""
+    user = [message("user", "What is the weather in Oslo?")]
+    for choice in ("required", {"type": "function", "name": "get_weather"}):
+        prompt = render(lm, user, GenerationParams(tools=[WEATHER, TIME], tool_choice=choice))
+        assert prompt.endswith("<|im_start|>assistant\n<tool_call>\n"), choice
+    for choice in ("auto", "none"):
+        prompt = render(lm, user, GenerationParams(tools=[WEATHER], tool_choice=choice))
+        assert prompt.endswith("<|im_start|>assistant\n"), choice
+    # a forced call's prompt describes calls in the tags it opens
+    assert "<tool_call>\n{" in render(
+        lm, user, GenerationParams(tools=[WEATHER], tool_choice="required")
+    )
 
 
 def test_json_schema_instruction_is_in_the_system_prompt(lm):

@@ -166,11 +166,12 @@ def test_a_one_argument_tool_call_is_compact(api):
     assert call["name"] == "get_weather"
     arguments = json.loads(call["arguments"])
     assert call["arguments"] == json.dumps(arguments, separators=(",", ":"))  # compact
-    # SmolLM2 has no <tool_call> token: the two tags alone are 10 tokens, and
-    # the model writes the forced {"name":...} in small pieces. Measured: 32 for
-    # {"city":"Paris"} (34 with the whitespace allowed before).
+    # A forced call's prompt opens the <tool_call> tag (SmolLM2 has no token
+    # for it: the two tags with their line breaks took 12 output tokens), so
+    # the model writes the JSON alone. Measured: 20 for {"city":"Paris"}, end
+    # token included (32 with the tags, 34 with whitespace allowed before).
     print("one-argument call:", body["usage"]["output_tokens"], "tokens", call["arguments"])
-    assert body["usage"]["output_tokens"] <= 32
+    assert body["usage"]["output_tokens"] <= 20
     assert body["status"] == "completed"
 
 

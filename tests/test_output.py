@@ -12,7 +12,9 @@ import json
 
 import pytest
 
-from generation.output import OutputAssembler
+from generation.output import OutputAssembler, opens_call
+from generation.params import GenerationParams
+from generation.registry import ModelSpec
 
 THOUGHTS = (
     "Okay, the user is asking for the capital of France. I remember that Paris is the "
@@ -151,3 +153,70 @@ def test_think_is_only_a_marker_at_the_start():
     assembler, _ = assemble(["Models may ", "write <think> tags."], parse_reasoning=True)
     [message] = assembler.items
     assert message["content"][0]["text"] == text
+
+
+# --- a call the prompt opened (tool_choice required or a named tool) ------------------
+
+FORCED = '{"name":"get_weather","arguments":{"city":"Hangzhou"}}'
+SMOLLM2 = ModelSpec("smollm2:135m", "gguf-package", 8192, 4096, ("tools",))
+QWEN3 = ModelSpec("qwen3:0.6b", "folder", 32768, 8192, ("tools", "reasoning"))
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+
+
+def forced_events(chunks: list[str]) -> tuple[OutputAssembler, list[tuple[str, dict]]]:
+    params = GenerationParams(tools=[WEATHER_TOOL], tool_choice="required")
+    assembler = OutputAssembler.for_generation("resp_test", params, SMOLLM2)
+    events = []
+    for chunk in chunks:
+        events += assembler.feed(chunk)
+    return assembler, events
+
+
+@pytest.mark.parametrize("size", [1, 3, len(FORCED)])
+def test_a_call_opened_by_the_prompt_is_the_same_call_as_a_tagged_one(size):
+    """The output is the JSON alone, ended by the model: the same item and events."""
+    assembler, events = forced_events([FORCED[i : i + size] for i in range(0, len(FORCED), size)])
+    assert events == []  # no closing tag: the call is whole when the generation ends
+    events += assembler.finish()
+    [call] = assembler.items
+    tagged, tagged_events = assemble([f"<tool_call>\n{FORCED}\n</tool_call>"], parse_tools=True)
+    assert [name for name, _ in events] == [name for name, _ in tagged_events]
+    assert {**call, "id": "", "call_id": ""} == {**tagged.items[0], "id": "", "call_id": ""}
+    assert json.loads(call["arguments"]) == CALL["arguments"]
+    assert (
+        deltas(events, "response.function_call_arguments.delta", call["id"]) == (call["arguments"])
+    )
+
+
+def test_a_call_opened_by_the_prompt_and_cut_short_is_dropped():
+    """The token limit inside the JSON: no call, and no markup or JSON as text."""
+    assembler, events = forced_events([FORCED[:30]])
+    events += assembler.close()
+    assert assembler.items == [] and events == []
+    assembler, events = forced_events([FORCED])  # whole, only the end token missing
+    events += assembler.close()
+    [call] = assembler.items
+    assert call["type"] == "function_call"
+
+
+def test_a_call_opened_by_the_prompt_restores_from_a_checkpoint():
+    first, events = forced_events([FORCED[:20]])
+    saved = json.loads(json.dumps(first.compact_state()))
+    second = OutputAssembler.restore("resp_test", saved, events)
+    second.feed(FORCED[20:])
+    second.finish()
+    [call] = second.items
+    assert json.loads(call["arguments"]) == CALL["arguments"]
+
+
+def test_the_assembler_starts_inside_a_call_only_when_one_is_forced():
+    named = {"type": "function", "name": "get_weather"}
+    for choice, opened in (("required", True), (named, True), ("auto", False), ("none", False)):
+        params = GenerationParams(tools=[WEATHER_TOOL], tool_choice=choice)
+        assert opens_call(params, SMOLLM2) is opened, choice
+        state = OutputAssembler.for_generation("resp_test", params, QWEN3).state()
+        assert state["mode"] == ("tool" if opened else "text"), choice
+        assert state["tools"] is (choice != "none") and state["reasoning"] is True
+    other = ModelSpec("other", "folder", 4096, 1024, ("tools",), tool_format="other")
+    assert not opens_call(GenerationParams(tools=[WEATHER_TOOL], tool_choice="required"), other)
+    assert not opens_call(GenerationParams(tool_choice="auto"), SMOLLM2)

@@ -282,6 +282,44 @@ def test_streamed_round_trip_delivers_the_call_complete(api):
     assert message["content"][0]["text"].strip()
 
 
+# Issue 12: a one-argument call in about 20 tokens. A forced call's prompt
+# opens the <tool_call> tag, so the output is the compact JSON and the end
+# token: greedy SmolLM2 spends 20 on get_weather(city="Paris") (19 named),
+# where writing the tags took 32.
+FORCED_CALL_TOKENS = 20
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "name": "get_weather"}], ids=["required", "named"]
+)
+def test_a_forced_one_argument_call_costs_at_most_20_output_tokens(api, choice):
+    lights = CASES[1][0]
+    events = stream(
+        api,
+        request_body(
+            "What is the weather in Paris?",
+            tools=[WEATHER, lights] if isinstance(choice, dict) else [WEATHER],
+            tool_choice=choice,
+            max_output_tokens=60,
+        ),
+    )
+    assert [e["id"] for e in events] == list(range(1, len(events) + 1))
+    assert [e["event"] for e in events] == [
+        "response.created",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    added, delta, done, completed = (e["data"] for e in events[1:])
+    call = done["item"]
+    assert_call(call, WEATHER)
+    assert json.loads(call["arguments"]) == {"city": "Paris"}
+    assert added["item"] == {**call, "arguments": ""}
+    assert delta["item_id"] == call["id"] and delta["delta"] == call["arguments"]
+    assert completed["usage"]["output_tokens"] <= FORCED_CALL_TOKENS, completed["usage"]
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [

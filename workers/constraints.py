@@ -108,7 +108,7 @@ def _compiled(spec: ModelSpec, vocab_size: int, tag: str) -> xgr.CompiledGrammar
 
 
 def compiled_grammar(lm: LoadedModel, params: GenerationParams) -> xgr.CompiledGrammar | None:
-    fmt = grammar_format(params)
+    fmt = grammar_format(params, lm.spec)
     if fmt is None:
         return None
     return _compiled(lm.spec, lm.model.config.vocab_size, structural_tag(fmt))

@@ -86,10 +86,8 @@ class GenerationRun:
         restored = lifecycle.restore(task)
         self.token_ids: list[int] = restored.token_ids
         self.flushed_tokens = len(self.token_ids)  # how many the database has
-        self.assembler = restored.assembler or OutputAssembler(
-            self.response.id,
-            parse_tools=self.params.calls_tools,
-            parse_reasoning=self.spec.has("reasoning"),
+        self.assembler = restored.assembler or OutputAssembler.for_generation(
+            self.response.id, self.params, self.spec
         )
         self.offsets = restored.detokenizer
         self.pending: list[tuple[str, dict]] = []
