@@ -171,7 +171,7 @@ def test_a_one_argument_tool_call_is_compact(api):
     # the model writes the JSON alone. Measured: 20 for {"city":"Paris"}, end
     # token included (32 with the tags, 34 with whitespace allowed before).
     print("one-argument call:", body["usage"]["output_tokens"], "tokens", call["arguments"])
-    assert body["usage"]["output_tokens"] <= 20
+    assert body["usage"]["output_tokens"] <= 21  # one token of margin, as in test_tools_e2e
     assert body["status"] == "completed"
 
 

@@ -285,14 +285,15 @@ def test_streamed_round_trip_delivers_the_call_complete(api):
 # Issue 12: a one-argument call in about 20 tokens. A forced call's prompt
 # opens the <tool_call> tag, so the output is the compact JSON and the end
 # token: greedy SmolLM2 spends 20 on get_weather(city="Paris") (19 named),
-# where writing the tags took 32.
-FORCED_CALL_TOKENS = 20
+# where writing the tags took 32. One token of margin: beside other rows of a
+# batch, padded attention can move a near tie between two token splits.
+FORCED_CALL_TOKENS = 21
 
 
 @pytest.mark.parametrize(
     "choice", ["required", {"type": "function", "name": "get_weather"}], ids=["required", "named"]
 )
-def test_a_forced_one_argument_call_costs_at_most_20_output_tokens(api, choice):
+def test_a_forced_one_argument_call_costs_about_20_output_tokens(api, choice):
     lights = CASES[1][0]
     events = stream(
         api,
