@@ -56,7 +56,20 @@ def database_from_url(url: str, pool_size: int = 0) -> dict:
         "HOST": host,
         "PORT": str(parts.port or ""),
         "CONN_MAX_AGE": 0,  # the pool keeps connections; Django must not as well
-        "OPTIONS": (
-            {"pool": {"min_size": 1, "max_size": pool_size, "timeout": 30}} if pool_size else {}
-        ),
+        # A pooled connection that died with a PostgreSQL restart is replaced when borrowed.
+        "CONN_HEALTH_CHECKS": bool(pool_size),
+        "OPTIONS": {"pool": _pool_options(pool_size)} if pool_size else {},
+    }
+
+
+def _pool_options(size: int) -> dict:
+    return {
+        "min_size": 1,
+        "max_size": size,
+        "timeout": 30,
+        # While PostgreSQL is down the pool retries a lost connection with a
+        # growing back-off for up to this long (default 5 minutes), and can be
+        # asleep in it when the server is back; given up after 2 s, the
+        # connection is opened again when next borrowed.
+        "reconnect_timeout": 2,
     }

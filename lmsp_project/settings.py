@@ -89,21 +89,6 @@ DATABASES = {
         pool_size=LMSP_DB_POOL_SIZE,
     )
 }
-# With a size above 0, each process borrows its ORM connections from a psycopg
-# pool of that size instead of opening one per request: connecting a stream
-# follower then costs two queries, not a new PostgreSQL session. Off by
-# default: after a PostgreSQL restart the pool was seen to hand out no
-# connection for over 30 s (PoolTimeout), where a new session per request
-# recovers at once. Stream reads have their own pool (tasks_app.event_reader).
-LMSP_DB_POOL_SIZE = env_int("LMSP_DB_POOL_SIZE", 0)
-if LMSP_DB_POOL_SIZE > 0:
-    DATABASES["default"]["OPTIONS"]["pool"] = {
-        "min_size": 1,
-        "max_size": LMSP_DB_POOL_SIZE,
-        "timeout": 30,
-    }
-    # A pooled connection that died with a PostgreSQL restart is replaced when borrowed.
-    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = os.environ.get("REDIS_URL") or _RUNNING.get("REDIS_URL", "redis://127.0.0.1:6379/0")
