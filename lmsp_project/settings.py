@@ -75,13 +75,15 @@ TEMPLATES = [
     },
 ]
 
-# Connections per process in psycopg's pool: the async views' db_call and the
-# worker's lease thread then hand theirs back after each short call instead of
-# reconnecting. Off (0: one connection per request, closed after it) by
-# default: after a PostgreSQL restart the pool was seen to hand out no
-# connection for over 30 s (PoolTimeout), where a new session per request
-# recovers at once. Stream reads have their own pool (tasks_app.event_reader).
-LMSP_DB_POOL_SIZE = env_int("LMSP_DB_POOL_SIZE", 0)
+# Connections per process in psycopg's pool (Django's "pool" option): a
+# request, an async view's db_call or a job borrows one and hands it back
+# instead of starting a PostgreSQL session each time. A model worker holds
+# two per generation it runs (its job thread and its lease thread), so the
+# default covers a batch of 8 with room. 0: one new session per request,
+# closed after it. A connection that died with a PostgreSQL restart is
+# replaced when borrowed (lmsp_project.env). Stream reads have their own
+# pool (tasks_app.event_reader).
+LMSP_DB_POOL_SIZE = env_int("LMSP_DB_POOL_SIZE", 20)
 DATABASES = {
     "default": database_from_url(
         os.environ.get("DATABASE_URL")

@@ -170,8 +170,11 @@ def test_idle_followers_make_no_queries_until_redis_goes_away(api, stack, token,
     # stack) at most, with the queued task's position read beside each, and
     # nothing per follower (before the feeds: two reads per follower per
     # second, over 1000 here).
+    # Pooled backends live on and report their counts up to 10 s late, so the
+    # reading spans up to 4 + 2 x 11 + 10 s: 18 checks of 2 reads at most,
+    # against 40 followers x 2 reads a second before the feeds.
     idle = _reads_during(4)
-    assert idle <= 24, f"{idle} reads of the log by 40 idle followers"  # ~8 checks, 2 reads
+    assert idle <= 36, f"{idle} reads of the log by 40 idle followers"
 
     stack.stop_redis()
     polled = _reads_during(4)  # the task's feed now reads the database itself
