@@ -510,10 +510,16 @@ def create_queued_task(api) -> str:  # noqa: ANN001
 def write_events(task_id: str, args: argparse.Namespace) -> dict[int, float]:
     """Play the worker: claim, one transaction per delta at ``rate``, then finish."""
     from lmsp_core import protocol
+    from lmsp_core.status import Status
     from tasks_app import lifecycle
     from tasks_app.models import Task
 
+    # A claim takes the fairest queued task of the model, not this one: end what
+    # an interrupted earlier run left queued in the bench database first.
+    for other in Task.objects.filter(status=Status.QUEUED).exclude(id=task_id):
+        lifecycle.request_cancel(other.id)
     task = lifecycle.claim(task_id, "bench-driver")
+    assert task is not None and task.id == task_id, "the driver did not claim its task"
     response_id = task.response_id
     item = "msg_bench"
     commits: dict[int, float] = {}
@@ -524,7 +530,7 @@ def write_events(task_id: str, args: argparse.Namespace) -> dict[int, float]:
         delta = f" word{index}"
         text += delta
         events.append(protocol.text_delta_event(response_id, item, delta))
-        lifecycle.record_progress(task_id, task.attempt, events, {})
+        lifecycle.record_progress(task_id, task.attempt, events, [], {})
         commits[Task.objects.get(id=task_id).last_event_id] = time.monotonic()
         events = []
         time.sleep(max(0.0, 1 / args.rate - (time.monotonic() - started)))
