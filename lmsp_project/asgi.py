@@ -1,6 +1,13 @@
 """The ASGI application: Django behind the body limit and upload timeout
 (``lmsp_core.asgi.BoundedBody``), which act before Django reads a byte and
-answer in the shape of the API the path belongs to."""
+answer in the shape of the API the path belongs to.
+
+In front of both, the views that follow a task's or a background response's
+events are served without Django's per-request machinery
+(``lmsp_core.lean.LeanViews``: same resolver, middleware, views and answers,
+no thread per request), so that a web process holds thousands of them;
+``LMSP_LEAN_STREAMS=0`` hands them to Django's handler like every other view.
+"""
 
 import os
 
@@ -10,7 +17,20 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lmsp_project.settings")
 
 django_application = get_asgi_application()
 
-from lmsp_core.asgi import BoundedBody  # noqa: E402 - needs the settings configured
-from openai_app.errors import error_body  # noqa: E402
+from django.conf import settings  # noqa: E402
 
-application = BoundedBody(django_application, shapes={"/v1/": error_body})
+from lmsp_core.asgi import BoundedBody  # noqa: E402 - needs the settings configured
+from lmsp_core.lean import LeanViews  # noqa: E402
+from openai_app import views as openai_views  # noqa: E402
+from openai_app.errors import error_body  # noqa: E402
+from tasks_app import views as task_views  # noqa: E402
+
+# The follower streams: GET /lmsp/v1/tasks/{id}/events, GET /v1/responses/{id}.
+FOLLOWER_VIEWS = (task_views.task_events, openai_views.response_detail)
+
+bounded = BoundedBody(django_application, shapes={"/v1/": error_body})
+application = (
+    LeanViews(bounded, django_application, FOLLOWER_VIEWS)
+    if settings.LMSP_LEAN_STREAMS
+    else bounded
+)
