@@ -98,7 +98,7 @@ class TaskFeed:
 
     ``frames`` holds the frames of ids ``base + 1 .. last``; ids up to
     ``pruned_through`` were removed by retention and can never be sent.
-    Followers wait in ``wait()``, which returns whenever frames are added
+    Followers wait on ``changed()``, which resolves whenever frames are added
     or the feed learns something that ends streams.
     """
 
@@ -129,21 +129,24 @@ class TaskFeed:
 
     # --- the followers' side -------------------------------------------------------
 
-    async def wait(self, waiter: _Waiter, until: float) -> None:
-        """Until the feed changes, or until loop time ``until`` (or before,
-        when the follower's timer was set for an earlier keep-alive)."""
+    def changed(self, waiter: _Waiter, until: float) -> asyncio.Future:
+        """A future resolved when the feed changes, or at loop time ``until``
+        (or before, when the follower's timer was set for an earlier
+        keep-alive). A follower waits in one place at a time: a new wait
+        replaces its last one, woken or not."""
         loop = asyncio.get_running_loop()
         if waiter.timer is None or waiter.due > until:
             waiter.cancel()
             waiter.timer = loop.call_at(until, waiter._expire)
             waiter.due = until
-        waiter.future = loop.create_future()
+        waiter.future = future = loop.create_future()
         self._waiting[waiter] = None
-        try:
-            await waiter.future
-        finally:
-            self._waiting.pop(waiter, None)
-            waiter.future = None
+        return future
+
+    def forget(self, waiter: _Waiter) -> None:
+        """A follower that ends waits no more."""
+        waiter.cancel()
+        self._waiting.pop(waiter, None)
 
     def frames_after(self, sent: int) -> bytes:
         """The frames of ids ``sent + 1 .. last`` as one chunk (``sent >= base``),
@@ -468,9 +471,9 @@ async def _deliveries(
             if not parked:
                 _park_request_thread()
                 parked = True
-            await feed.wait(waiter, loop.time() + keepalive - quiet)
+            await feed.changed(waiter, loop.time() + keepalive - quiet)
     finally:
-        waiter.cancel()
+        feed.forget(waiter)
         _release(feed)
         if release is not None:
             release()
