@@ -237,39 +237,40 @@ class _Stream:
         self.charset = response.charset
 
     async def send(self, receive: Receive, send: Send) -> None:
+        """The body goes out from a task of its own while this one listens to
+        the client: ``receive`` answers ``http.disconnect`` when the client
+        leaves, or once the response is complete (ASGI). A wake of a waiting
+        stream then resumes only the body's coroutines."""
         start, self.start = self.start, None
         await send(start)
         del start
-        task = asyncio.current_task()
-        state = {"streaming": True, "left": False}
-
-        async def watch() -> None:
+        body = asyncio.get_running_loop().create_task(self._body(send))
+        try:
             while (await receive())["type"] != "http.disconnect":
                 pass
-            if state["streaming"]:
-                state["left"] = True
-                task.cancel()
-
-        watcher = asyncio.get_running_loop().create_task(watch())
+        except BaseException:
+            body.cancel()
+            raise
+        if not body.done():
+            body.cancel()  # the client left before the end
         try:
-            async with aclosing(self.chunks) as chunks:
-                async for part in chunks:
-                    if not isinstance(part, bytes):  # as HttpResponseBase.make_bytes
-                        part = (
-                            bytes(part)
-                            if isinstance(part, memoryview)
-                            else str(part).encode(self.charset)
-                        )
-                    if len(part) <= ASGIHandler.chunk_size:  # the one chunk of chunk_bytes
-                        await send({"type": "http.response.body", "body": part, "more_body": True})
-                        continue
-                    for chunk, _ in ASGIHandler.chunk_bytes(part):
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body"})
+            await body
         except asyncio.CancelledError:
-            if not state["left"]:
+            if not body.cancelled() or asyncio.current_task().cancelling():
                 raise
-            task.uncancel()
-        finally:
-            state["streaming"] = False
-            watcher.cancel()
+
+    async def _body(self, send: Send) -> None:
+        async with aclosing(self.chunks) as chunks:
+            async for part in chunks:
+                if not isinstance(part, bytes):  # as HttpResponseBase.make_bytes
+                    part = (
+                        bytes(part)
+                        if isinstance(part, memoryview)
+                        else str(part).encode(self.charset)
+                    )
+                if len(part) <= ASGIHandler.chunk_size:  # the one chunk of chunk_bytes
+                    await send({"type": "http.response.body", "body": part, "more_body": True})
+                    continue
+                for chunk, _ in ASGIHandler.chunk_bytes(part):
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body"})
