@@ -9,6 +9,7 @@ no thread per request), so that a web process holds thousands of them;
 ``LMSP_LEAN_STREAMS=0`` hands them to Django's handler like every other view.
 """
 
+import gc
 import os
 
 from django.core.asgi import get_asgi_application
@@ -34,3 +35,10 @@ application = (
     if settings.LMSP_LEAN_STREAMS
     else bounded
 )
+
+# What is loaded by now (Django, the apps and what they import: about 150,000
+# objects) lives as long as the process. Frozen, the cyclic collector's full
+# collections no longer walk it again each time the objects of open streams
+# have grown by a quarter: while 5,000 followers connected, those pauses came
+# to 0.6-0.7 s in all instead of 0.9-1.2 s (in-process probe).
+gc.freeze()
