@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_fanout.py                      # 1000 followers, 10000 idle
     .venv/bin/python bench/bench_fanout.py --followers 5000 --idle 10000
     .venv/bin/python bench/bench_fanout.py --followers 500 --no-baseline
+    .venv/bin/python bench/bench_fanout.py --baseline-commit c087128   # against another commit
 
 Three processes, so that nobody measures itself: this driver (it plays the
 model worker, writing events through ``tasks_app.lifecycle`` exactly as a
@@ -10,7 +11,8 @@ worker does, and reads the server's RSS and PostgreSQL's counters), one web
 server (uvicorn, one process, open-file limit raised) and a lean client
 (``client`` subcommand: raw asyncio protocols reading SSE, no HTTP library).
 
-Each variant (this tree, then the baseline: commit 3effd36 exported with
+Each variant (this tree, then the baseline: commit 3effd36, or the one
+``--baseline-commit`` names, exported with
 ``git archive`` into ``.data/bench-baseline-<commit>`` and served from there
 with the same virtualenv, database and Redis) runs:
 
@@ -250,7 +252,8 @@ def main_driver(args: argparse.Namespace) -> None:
         django.setup()
         variants = [("this branch", ROOT)]
         if args.baseline:
-            variants.append((f"baseline {BASELINE}", export_baseline()))
+            commit = args.baseline_commit
+            variants.append((f"baseline {commit}", export_baseline(commit)))
         results = []
         for name, tree in variants:
             idle = args.idle if (tree == ROOT or args.idle_baseline) else 0
@@ -287,12 +290,12 @@ def prepare_database(url: str) -> str:
     return bench_url
 
 
-def export_baseline() -> Path:
-    tree = ROOT / ".data" / f"bench-baseline-{BASELINE}"
+def export_baseline(commit: str) -> Path:
+    tree = ROOT / ".data" / f"bench-baseline-{commit}"
     if not (tree / "manage.py").exists():
         tree.mkdir(parents=True, exist_ok=True)
         archive = subprocess.run(
-            ["git", "archive", BASELINE], cwd=ROOT, capture_output=True, check=True
+            ["git", "archive", commit], cwd=ROOT, capture_output=True, check=True
         ).stdout
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
     return tree
@@ -602,6 +605,7 @@ def main() -> None:
     parser.add_argument("--hold-seconds", type=float, default=10.0)
     parser.add_argument("--connect-window", type=int, default=200)
     parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--baseline-commit", default=BASELINE, help="the commit to compare with")
     parser.add_argument("--idle-baseline", action="store_true")
     parser.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True)
     main_driver(parser.parse_args())
