@@ -43,7 +43,7 @@ class HasRequiredScope(BasePermission):
 
 def authenticated_token(header: str | None, scope: str) -> ApiToken:
     """The token an ``Authorization`` header names, which must carry ``scope``
-    (sync: for a view that does its other reads in the same database call)."""
+    (sync: ``authenticate`` runs it on a worker thread)."""
     token = authenticate_bearer(header)
     require_scope(token, scope)
     return token

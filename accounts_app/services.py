@@ -6,7 +6,7 @@ import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.base_user import AbstractBaseUser
@@ -88,8 +88,9 @@ def revoke_token(prefix: str) -> int:
     )
 
 
-def authenticate_bearer(header: str | None) -> ApiToken:
-    """The active token named by an ``Authorization: Bearer`` header, or 401."""
+def bearer_credentials(header: str | None) -> tuple[str, str]:
+    """The prefix and the whole secret of an ``Authorization: Bearer`` header,
+    or 401: what can be checked before the token is looked up."""
     if not header:
         raise unauthorized("The Authorization header is missing; send 'Bearer <token>'.")
     scheme, _, secret = header.partition(" ")
@@ -99,17 +100,35 @@ def authenticate_bearer(header: str | None) -> ApiToken:
     parts = secret.split("_", 2)
     if len(parts) != 3 or parts[0] != TOKEN_PREFIX:
         raise unauthorized("The bearer token is not valid.")
-    token = ApiToken.objects.select_related("owner").filter(prefix=parts[1]).first()
+    return parts[1], secret
+
+
+def verified_token(token: ApiToken | None, secret: str, now: datetime) -> ApiToken:
+    """The token found by the secret's prefix (its owner loaded), if the secret
+    is its own and it may be used ``now``; else 401."""
     if token is None or not hmac.compare_digest(token.secret_hash, _hash(secret)):
         raise unauthorized("The bearer token is not valid.")
-    now = timezone.now()
     if not token.is_active(now):
         raise unauthorized("The bearer token has expired or was revoked.")
     if not token.owner.is_active:
         # A deactivated account keeps its tokens (reactivation restores them)
         # but none of them opens anything meanwhile.
         raise unauthorized("The account of this bearer token is deactivated.")
-    if token.last_used_at is None or now - token.last_used_at > LAST_USED_RESOLUTION:
+    return token
+
+
+def use_to_record(token: ApiToken, now: datetime) -> bool:
+    """Whether this use of the token is to be written to ``last_used_at``."""
+    return token.last_used_at is None or now - token.last_used_at > LAST_USED_RESOLUTION
+
+
+def authenticate_bearer(header: str | None) -> ApiToken:
+    """The active token named by an ``Authorization: Bearer`` header, or 401."""
+    prefix, secret = bearer_credentials(header)
+    found = ApiToken.objects.select_related("owner").filter(prefix=prefix).first()
+    now = timezone.now()
+    token = verified_token(found, secret, now)
+    if use_to_record(token, now):
         ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
     return token
 

@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_fanout.py                      # 1000 followers, 10000 idle
     .venv/bin/python bench/bench_fanout.py --followers 5000 --idle 10000
     .venv/bin/python bench/bench_fanout.py --followers 500 --no-baseline
+    .venv/bin/python bench/bench_fanout.py --baseline-commit c087128   # against another commit
 
 Three processes, so that nobody measures itself: this driver (it plays the
 model worker, writing events through ``tasks_app.lifecycle`` exactly as a
@@ -10,7 +11,8 @@ worker does, and reads the server's RSS and PostgreSQL's counters), one web
 server (uvicorn, one process, open-file limit raised) and a lean client
 (``client`` subcommand: raw asyncio protocols reading SSE, no HTTP library).
 
-Each variant (this tree, then the baseline: commit 3effd36 exported with
+Each variant (this tree, then the baseline: commit 3effd36, or the one
+``--baseline-commit`` names, exported with
 ``git archive`` into ``.data/bench-baseline-<commit>`` and served from there
 with the same virtualenv, database and Redis) runs:
 
@@ -250,7 +252,8 @@ def main_driver(args: argparse.Namespace) -> None:
         django.setup()
         variants = [("this branch", ROOT)]
         if args.baseline:
-            variants.append((f"baseline {BASELINE}", export_baseline()))
+            commit = args.baseline_commit
+            variants.append((f"baseline {commit}", export_baseline(commit)))
         results = []
         for name, tree in variants:
             idle = args.idle if (tree == ROOT or args.idle_baseline) else 0
@@ -287,12 +290,12 @@ def prepare_database(url: str) -> str:
     return bench_url
 
 
-def export_baseline() -> Path:
-    tree = ROOT / ".data" / f"bench-baseline-{BASELINE}"
+def export_baseline(commit: str) -> Path:
+    tree = ROOT / ".data" / f"bench-baseline-{commit}"
     if not (tree / "manage.py").exists():
         tree.mkdir(parents=True, exist_ok=True)
         archive = subprocess.run(
-            ["git", "archive", BASELINE], cwd=ROOT, capture_output=True, check=True
+            ["git", "archive", commit], cwd=ROOT, capture_output=True, check=True
         ).stdout
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
     return tree
@@ -510,10 +513,16 @@ def create_queued_task(api) -> str:  # noqa: ANN001
 def write_events(task_id: str, args: argparse.Namespace) -> dict[int, float]:
     """Play the worker: claim, one transaction per delta at ``rate``, then finish."""
     from lmsp_core import protocol
+    from lmsp_core.status import Status
     from tasks_app import lifecycle
     from tasks_app.models import Task
 
+    # A claim takes the fairest queued task of the model, not this one: end what
+    # an interrupted earlier run left queued in the bench database first.
+    for other in Task.objects.filter(status=Status.QUEUED).exclude(id=task_id):
+        lifecycle.request_cancel(other.id)
     task = lifecycle.claim(task_id, "bench-driver")
+    assert task is not None and task.id == task_id, "the driver did not claim its task"
     response_id = task.response_id
     item = "msg_bench"
     commits: dict[int, float] = {}
@@ -524,7 +533,7 @@ def write_events(task_id: str, args: argparse.Namespace) -> dict[int, float]:
         delta = f" word{index}"
         text += delta
         events.append(protocol.text_delta_event(response_id, item, delta))
-        lifecycle.record_progress(task_id, task.attempt, events, {})
+        lifecycle.record_progress(task_id, task.attempt, events, [], {})
         commits[Task.objects.get(id=task_id).last_event_id] = time.monotonic()
         events = []
         time.sleep(max(0.0, 1 / args.rate - (time.monotonic() - started)))
@@ -596,6 +605,7 @@ def main() -> None:
     parser.add_argument("--hold-seconds", type=float, default=10.0)
     parser.add_argument("--connect-window", type=int, default=200)
     parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--baseline-commit", default=BASELINE, help="the commit to compare with")
     parser.add_argument("--idle-baseline", action="store_true")
     parser.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True)
     main_driver(parser.parse_args())

@@ -1,7 +1,15 @@
 """The ASGI application: Django behind the body limit and upload timeout
 (``lmsp_core.asgi.BoundedBody``), which act before Django reads a byte and
-answer in the shape of the API the path belongs to."""
+answer in the shape of the API the path belongs to.
 
+In front of both, the views that follow a task's or a background response's
+events are served without Django's per-request machinery
+(``lmsp_core.lean.LeanViews``: same resolver, middleware, views and answers,
+no thread per request), so that a web process holds thousands of them;
+``LMSP_LEAN_STREAMS=0`` hands them to Django's handler like every other view.
+"""
+
+import gc
 import os
 
 from django.core.asgi import get_asgi_application
@@ -10,7 +18,27 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lmsp_project.settings")
 
 django_application = get_asgi_application()
 
-from lmsp_core.asgi import BoundedBody  # noqa: E402 - needs the settings configured
-from openai_app.errors import error_body  # noqa: E402
+from django.conf import settings  # noqa: E402
 
-application = BoundedBody(django_application, shapes={"/v1/": error_body})
+from lmsp_core.asgi import BoundedBody  # noqa: E402 - needs the settings configured
+from lmsp_core.lean import LeanViews  # noqa: E402
+from openai_app import views as openai_views  # noqa: E402
+from openai_app.errors import error_body  # noqa: E402
+from tasks_app import views as task_views  # noqa: E402
+
+# The follower streams: GET /lmsp/v1/tasks/{id}/events, GET /v1/responses/{id}.
+FOLLOWER_VIEWS = (task_views.task_events, openai_views.response_detail)
+
+bounded = BoundedBody(django_application, shapes={"/v1/": error_body})
+application = (
+    LeanViews(bounded, django_application, FOLLOWER_VIEWS)
+    if settings.LMSP_LEAN_STREAMS
+    else bounded
+)
+
+# What is loaded by now (Django, the apps and what they import: about 150,000
+# objects) lives as long as the process. Frozen, the cyclic collector's full
+# collections no longer walk it again each time the objects of open streams
+# have grown by a quarter: while 5,000 followers connected, those pauses came
+# to 0.6-0.7 s in all instead of 0.9-1.2 s (in-process probe).
+gc.freeze()

@@ -167,6 +167,10 @@ LMSP_STREAM_PAGE_EVENTS = env_int("LMSP_STREAM_PAGE_EVENTS", 500)
 LMSP_MAX_STREAMS_PER_PROCESS = env_int("LMSP_MAX_STREAMS_PER_PROCESS", 20_000)
 LMSP_MAX_STREAMS_PER_TOKEN = env_int("LMSP_MAX_STREAMS_PER_TOKEN", 1_000)
 LMSP_STREAM_RETRY_AFTER_SECONDS = env_int("LMSP_STREAM_RETRY_AFTER_SECONDS", 5)
+# Event streams that follow a task (GET /lmsp/v1/tasks/{id}/events, GET
+# /v1/responses/{id}) are served outside Django's request handler
+# (lmsp_core.lean): same answers, a fraction of the memory and CPU per stream.
+LMSP_LEAN_STREAMS = env_bool("LMSP_LEAN_STREAMS", True)
 LMSP_EVENT_RETENTION_SECONDS = env_int("LMSP_EVENT_RETENTION_SECONDS", 86_400)
 LMSP_TASK_RETENTION_SECONDS = env_int("LMSP_TASK_RETENTION_SECONDS", 30 * 86_400)
 LMSP_PRUNE_INTERVAL_SECONDS = env_float("LMSP_PRUNE_INTERVAL_SECONDS", 300.0)

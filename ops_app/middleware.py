@@ -30,7 +30,11 @@ def _count_streams(response: HttpResponse) -> None:
         and getattr(response, "is_async", False)
         and response.get("Content-Type", "").startswith("text/event-stream")
     ):
-        response.streaming_content = recorders.counted_stream(response.streaming_content)
+        # The iterator itself, not streaming_content: that wrapper holds the
+        # whole response (headers included) for as long as the stream lasts,
+        # a kilobyte and more per open stream. Django encodes the chunks
+        # (make_bytes) when it sends them, whatever wraps them here.
+        response.streaming_content = recorders.counted_stream(response._iterator)
 
 
 @sync_and_async_middleware
@@ -40,12 +44,8 @@ def request_metrics(get_response: Callable) -> Callable:  # noqa: ANN001
         async def middleware(request: HttpRequest) -> HttpResponse:
             response = await get_response(request)
             _count_streams(response)
-            asyncio.get_running_loop().run_in_executor(
-                None,
-                recorders.count_request,
-                endpoint_of(request),
-                request.method or "",
-                response.status_code,
+            recorders.count_request(
+                endpoint_of(request), request.method or "", response.status_code
             )
             return response
 

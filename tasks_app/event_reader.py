@@ -1,4 +1,5 @@
-"""Async reads of the event log for stream feeds.
+"""Async reads of the event log for stream feeds, and what a new follower
+needs: its token and its task, in one query.
 
 A stream can last for minutes. Under Django's ASGI handler every
 ``sync_to_async`` call of a request runs in that request's own thread with
@@ -7,6 +8,12 @@ whole life. Feeds instead borrow a connection from one small async psycopg
 pool per process for each short query, and these are the only queries a
 stream makes after it has been admitted (see ``tasks_app.streams``).
 
+Connecting a follower borrows the same pool: one query reads the bearer
+token, its owner's ``is_active`` and the task (``token_and_task``), with no
+thread and no new PostgreSQL session, for all the followers connecting at
+the same moment; ``accounts_app.services`` judges the token as it judges
+any other.
+
 ``QUERIES`` counts them, so that a benchmark or a debugger can see what the
 streams of this process cost the database.
 """
@@ -14,16 +21,23 @@ streams of this process cost the database.
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
 
 import psycopg
 import psycopg_pool
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.db import connections
 from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool
 
+from accounts_app.models import ApiToken
+
 from .event_log import StoredEvent
+from .models import Task, TaskKind
 
 _pools: dict[asyncio.AbstractEventLoop, AsyncConnectionPool] = {}
 
@@ -107,3 +121,140 @@ async def position(task_id: str) -> TaskPosition | None:
         )
         row = await cursor.fetchone()
     return TaskPosition(*row) if row else None
+
+
+# Fields read by token_and_task, in the models' field order (Model.from_db).
+TOKEN_FIELDS = (
+    "id",
+    "owner_id",
+    "prefix",
+    "secret_hash",
+    "scopes",
+    "expires_at",
+    "revoked_at",
+    "last_used_at",
+)
+OWNER_FIELDS = ("id", "is_active")
+TASK_FIELDS = ("id", "status", "last_event_id", "pruned_through")
+
+
+# Followers connecting at the same time are looked up together, at most this
+# many in one query.
+LOOKUP_BATCH = 500
+
+
+@functools.cache
+def _token_and_task_sql() -> str:
+    token = ", ".join(f"k.{name}" for name in TOKEN_FIELDS)
+    task = ", ".join(f"t.{name}" for name in TASK_FIELDS)
+    return (
+        f"SELECT q.n, {token}, u.is_active, {task}"
+        " FROM unnest(%s::varchar[], %s::varchar[]) WITH ORDINALITY AS q(prefix, task_id, n)"
+        f" JOIN {ApiToken._meta.db_table} k ON k.prefix = q.prefix"
+        f" JOIN {get_user_model()._meta.db_table} u ON u.id = k.owner_id"
+        f" LEFT JOIN {Task._meta.db_table} t"
+        "  ON t.id = q.task_id AND t.owner_id = k.owner_id AND t.kind = %s"
+    )
+
+
+class _Lookups:
+    """The lookups of one event loop's connecting followers. One query at a
+    time reads all that are waiting (up to ``LOOKUP_BATCH``): each waits
+    for at most the query before its own, and a burst of thousands of
+    connections costs the database and this process dozens of queries, not
+    thousands (a query's own cost, on the pool and in psycopg, was most of
+    a lookup's time)."""
+
+    def __init__(self) -> None:
+        self.waiting: list[tuple[str, str | None, asyncio.Future]] = []
+        self.reading: asyncio.Task | None = None
+
+    def lookup(self, prefix: str, task_id: str | None) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.waiting.append((prefix, task_id, future))
+        if self.reading is None:
+            self.reading = loop.create_task(self._read(), name="lmsp-follower-lookups")
+        return future
+
+    async def _read(self) -> None:
+        try:
+            while self.waiting:
+                batch = self.waiting[:LOOKUP_BATCH]
+                del self.waiting[:LOOKUP_BATCH]
+                try:
+                    rows = await _run(
+                        _token_and_task_sql(),
+                        ([b[0] for b in batch], [b[1] for b in batch], TaskKind.TASK),
+                        fetch="all",
+                    )
+                except BaseException as exc:
+                    for _, _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    continue
+                found = {row[0]: row[1:] for row in rows}
+                for n, (_, _, future) in enumerate(batch, start=1):
+                    if not future.done():  # its follower may have gone meanwhile
+                        future.set_result(found.get(n))
+        finally:
+            self.reading = None
+
+
+_lookups: dict[asyncio.AbstractEventLoop, _Lookups] = {}
+
+
+async def token_and_task(prefix: str, task_id: str | None) -> tuple[ApiToken | None, Task | None]:
+    """The token with ``prefix`` (with its owner's ``is_active``) and, when
+    it is that owner's, the task ``task_id`` (a ``task``, not a direct
+    generation; its id, status and event positions): one row of a query
+    shared with the other followers connecting now (``_Lookups``). The
+    instances hold only these fields: reading another would query the
+    database synchronously."""
+    loop = asyncio.get_running_loop()
+    lookups = _lookups.get(loop)
+    if lookups is None:
+        lookups = _lookups[loop] = _Lookups()
+    row = await lookups.lookup(prefix, task_id)
+    if row is None:
+        return None, None
+    token = ApiToken.from_db("default", TOKEN_FIELDS, row[: len(TOKEN_FIELDS)])
+    token.owner = get_user_model().from_db(
+        "default", OWNER_FIELDS, (token.owner_id, row[len(TOKEN_FIELDS)])
+    )
+    task_values = row[len(TOKEN_FIELDS) + 1 :]
+    task = Task.from_db("default", TASK_FIELDS, task_values) if task_values[0] else None
+    return token, task
+
+
+async def record_token_use(token_id: int, now: datetime) -> None:
+    """``accounts_app.services.authenticate_bearer``'s write of ``last_used_at``."""
+    await _run(
+        f"UPDATE {ApiToken._meta.db_table} SET last_used_at = %s WHERE id = %s",
+        (now, token_id),
+        fetch="none",
+    )
+
+
+async def _run(sql: str, params: tuple, fetch: str) -> Any:
+    """One statement for requests that wait on it (``fetch``: "all" rows or
+    "none"): a pooled connection that died with a PostgreSQL restart fails
+    once, then the pool checks its connections and the statement runs
+    again (a feed retries on its own)."""
+    global QUERIES
+    pool = await _pool()
+    for attempt in (1, 2):
+        try:
+            async with pool.connection() as conn:
+                QUERIES += 1
+                cursor = await conn.execute(sql, params)
+                # Not cursor.description: it builds column objects, which took
+                # a third of a lookup's time.
+                return await cursor.fetchall() if fetch == "all" else None
+        except psycopg.OperationalError:
+            if attempt == 2:
+                raise
+            await pool.check()
+    return None

@@ -28,9 +28,13 @@ def owned_task(owner: AbstractBaseUser, task_id: str) -> Task:
             .first()
         )
     if task is None:
-        shown = task_id if len(task_id) <= 64 else task_id[:64] + "..."
-        raise ProblemError("task_not_found", f"No task with id {shown!r}.", param="task_id")
+        raise task_not_found(task_id)
     return task
+
+
+def task_not_found(task_id: str) -> ProblemError:
+    shown = task_id if len(task_id) <= 64 else task_id[:64] + "..."
+    return ProblemError("task_not_found", f"No task with id {shown!r}.", param="task_id")
 
 
 def task_page(

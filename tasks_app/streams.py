@@ -64,12 +64,41 @@ class _Vanished(Exception):
     """Events the feed was about to read were removed meanwhile (retention)."""
 
 
+class _Waiter:
+    """One follower's waits on its feed: the future that the feed resolves
+    when something changes, and the timer that resolves it when a keep-alive
+    is due. The timer is kept from wait to wait and set again only when it
+    fires before the keep-alive is due (events came meanwhile): making and
+    cancelling a timer for every wait cost more than all else a woken
+    follower does (``bench/README.md``, bench_fanout.py)."""
+
+    __slots__ = ("future", "timer", "due")
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.due = 0.0
+
+    def wake(self) -> None:
+        if self.future is not None and not self.future.done():
+            self.future.set_result(None)
+
+    def _expire(self) -> None:
+        self.timer = None
+        self.wake()
+
+    def cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
 class TaskFeed:
     """The events of one task as this process knows them, shared by its followers.
 
     ``frames`` holds the frames of ids ``base + 1 .. last``; ids up to
     ``pruned_through`` were removed by retention and can never be sent.
-    Followers wait on ``changed()``, which fires whenever frames are added
+    Followers wait on ``changed()``, which resolves whenever frames are added
     or the feed learns something that ends streams.
     """
 
@@ -78,6 +107,7 @@ class TaskFeed:
         self.frames: list[bytes] = []
         self.events: list[StoredEvent] = []  # the same events, for follow_events
         self.base = 0
+        self.last = 0  # base + len(frames)
         self.final_id: int | None = None  # id of the final event, once known
         self.task_final = False
         self.task_queued = False  # as the last read saw it, until an event says otherwise
@@ -87,7 +117,7 @@ class TaskFeed:
         self.ready = False  # the first read is done
         self.followers = 0
         self.closed = False
-        self._changed = asyncio.Event()
+        self._waiting: dict[_Waiter, None] = {}
         self._wake = asyncio.Event()
         self._need_read = True
         self._pending: list[list] = []  # messages that came before the first read
@@ -97,14 +127,26 @@ class TaskFeed:
             self._run(), name=f"lmsp-feed-{task_id}"
         )
 
-    @property
-    def last(self) -> int:
-        return self.base + len(self.frames)
-
     # --- the followers' side -------------------------------------------------------
 
-    def changed(self) -> asyncio.Event:
-        return self._changed
+    def changed(self, waiter: _Waiter, until: float) -> asyncio.Future:
+        """A future resolved when the feed changes, or at loop time ``until``
+        (or before, when the follower's timer was set for an earlier
+        keep-alive). A follower waits in one place at a time: a new wait
+        replaces its last one, woken or not."""
+        loop = asyncio.get_running_loop()
+        if waiter.timer is None or waiter.due > until:
+            waiter.cancel()
+            waiter.timer = loop.call_at(until, waiter._expire)
+            waiter.due = until
+        waiter.future = future = loop.create_future()
+        self._waiting[waiter] = None
+        return future
+
+    def forget(self, waiter: _Waiter) -> None:
+        """A follower that ends waits no more."""
+        waiter.cancel()
+        self._waiting.pop(waiter, None)
 
     def frames_after(self, sent: int) -> bytes:
         """The frames of ids ``sent + 1 .. last`` as one chunk (``sent >= base``),
@@ -184,8 +226,9 @@ class TaskFeed:
         self._pages.clear()
 
     def _notify(self) -> None:
-        fired, self._changed = self._changed, asyncio.Event()
-        fired.set()
+        waiting, self._waiting = self._waiting, {}
+        for waiter in waiting:
+            waiter.wake()
 
     def _apply(self, events: list) -> None:
         added = False
@@ -204,6 +247,7 @@ class TaskFeed:
     def _append(self, event_id: int, name: str, data: str) -> None:
         self.frames.append(sse_frame(event_id, name, data))
         self.events.append(StoredEvent(event_id, name, data))
+        self.last = event_id
         if name in FINAL_EVENTS:
             self.final_id = event_id
         self._joined.clear()
@@ -217,7 +261,7 @@ class TaskFeed:
     def _restart_window(self, base: int) -> None:
         self.frames = []
         self.events = []
-        self.base = base
+        self.base = self.last = base
         self._joined.clear()
 
     async def _run(self) -> None:
@@ -338,15 +382,13 @@ def _release(feed: TaskFeed) -> None:
             hub.unlisten(feed.task_id)
 
 
-async def follow(task_id: str, after: int) -> AsyncIterator[bytes]:
+def follow(task_id: str, after: int) -> AsyncIterator[bytes]:
     """Frames of every event after ``after``, live ones included, until the
     final event; keep-alive comments while nothing else is sent (``: queued N``
     while the task waits in its queue). Ends early, without a final event,
     when the events it needs were removed by retention (or the task was
     deleted): a reconnect is then told why."""
-    async with aclosing(_deliveries(task_id, after)) as deliveries:
-        async for delivery in deliveries:
-            yield delivery if isinstance(delivery, bytes) else delivery[0]
+    return _deliveries(task_id, after, with_events=False)
 
 
 def lmsp_frame(event: StoredEvent | None) -> bytes:
@@ -357,7 +399,7 @@ def lmsp_frame(event: StoredEvent | None) -> bytes:
 async def follow_events(task_id: str, after: int) -> AsyncIterator[StoredEvent | None]:
     """The events ``follow`` sends, one by one (``None``: time for a keep-alive),
     for readers that speak another stream format than LMSP's."""
-    async with aclosing(_deliveries(task_id, after)) as deliveries:
+    async with aclosing(_deliveries(task_id, after, with_events=True)) as deliveries:
         async for delivery in deliveries:
             if isinstance(delivery, bytes):
                 yield None
@@ -367,12 +409,21 @@ async def follow_events(task_id: str, after: int) -> AsyncIterator[StoredEvent |
 
 
 async def _deliveries(
-    task_id: str, after: int
+    task_id: str,
+    after: int,
+    with_events: bool,
+    release: Callable[[], None] | None = None,
 ) -> AsyncIterator[tuple[bytes, list[StoredEvent]] | bytes]:
-    """What ``follow`` sends, as (frames joined in one chunk, the events they
-    carry), or a keep-alive comment when one is due: the frames of the window are
-    joined once for every follower standing at the same id."""
+    """What ``follow`` sends: frames joined in one chunk (with ``with_events``,
+    as a pair with the events they carry), or a keep-alive comment when one
+    is due. The frames of the window are joined once for every follower
+    standing at the same id. One generator per follower, the only object a
+    waiting stream holds besides its connection; ``release`` is called when
+    it ends."""
     feed = _acquire(task_id)
+    loop = asyncio.get_running_loop()
+    waiter = _Waiter()
+    keepalive = settings.LMSP_KEEPALIVE_SECONDS
     sent = after
     quiet_since = time.monotonic()
     backoff = 0.2
@@ -393,13 +444,15 @@ async def _deliveries(
                         rows = [event for event in rows if event.id > sent]
                         if not rows or rows[0].id != sent + 1:
                             return  # removed by retention since the feed looked
-                        yield b"".join(sse_frame(e.id, e.event, e.data) for e in rows), rows
+                        frames = b"".join(sse_frame(e.id, e.event, e.data) for e in rows)
+                        yield (frames, rows) if with_events else frames
                         sent, quiet_since = rows[-1].id, time.monotonic()
                         if rows[-1].event in FINAL_EVENTS:
                             return
                         continue
                 elif sent < feed.last:
-                    delivery = feed.frames_after(sent), feed.events_after(sent)
+                    frames = feed.frames_after(sent)
+                    delivery = (frames, feed.events_after(sent)) if with_events else frames
                     sent = feed.last
                     yield delivery
                     quiet_since = time.monotonic()
@@ -407,25 +460,23 @@ async def _deliveries(
             elif feed.ready:
                 return
             quiet = time.monotonic() - quiet_since
-            if quiet >= settings.LMSP_KEEPALIVE_SECONDS:
+            if quiet >= keepalive:
                 yield feed.keepalive_frame()
                 quiet_since = time.monotonic()
                 continue
             if feed.ready and sent < feed.base:  # a failed replay read: wait, then again
-                await asyncio.sleep(min(backoff, settings.LMSP_KEEPALIVE_SECONDS - quiet))
+                await asyncio.sleep(min(backoff, keepalive - quiet))
                 backoff = min(backoff * 2, RETRY_MAX_SECONDS)
                 continue
             if not parked:
                 _park_request_thread()
                 parked = True
-            changed = feed.changed()
-            try:
-                async with asyncio.timeout(settings.LMSP_KEEPALIVE_SECONDS - quiet):
-                    await changed.wait()
-            except TimeoutError:
-                pass
+            await feed.changed(waiter, loop.time() + keepalive - quiet)
     finally:
+        feed.forget(waiter)
         _release(feed)
+        if release is not None:
+            release()
 
 
 def _park_request_thread() -> None:
@@ -497,15 +548,7 @@ def _overloaded(detail: str) -> ProblemError:
 def admitted_stream(task_id: str, after: int, release: Callable[[], None]) -> AsyncIterator[bytes]:
     """``follow`` that gives its admission back when it ends, or when it is
     dropped before it ever started (a client gone before the first byte)."""
-
-    async def frames() -> AsyncIterator[bytes]:
-        try:
-            async for frame in follow(task_id, after):
-                yield frame
-        finally:
-            release()
-
-    stream = frames()
+    stream = _deliveries(task_id, after, with_events=False, release=release)
     weakref.finalize(stream, release)
     return stream
 

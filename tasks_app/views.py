@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
+from django.utils import timezone
 from rest_framework.request import Request
 from rest_framework.response import Response as DRFResponse
 from rest_framework.views import APIView
 
-from accounts_app.authentication import authenticated_token
 from accounts_app.models import ApiToken
+from accounts_app.services import bearer_credentials, require_scope, use_to_record, verified_token
 from lmsp_core import protocol
 from lmsp_core.errors import ProblemError
-from lmsp_core.http import check_method, csrf_free, db_call
+from lmsp_core.http import check_method, csrf_free
 from lmsp_core.ids import is_valid_id
 from lmsp_core.validation import integer_param, validation_problem
 
-from . import fairness, idempotency, selectors, services, task_types
+from . import event_reader, fairness, idempotency, selectors, services, task_types
 from .models import Task
 from .serializers import TaskRequestSerializer
 from .streams import SSE_HEADERS, admit, admitted_stream
@@ -91,18 +92,29 @@ def resume_point(request: HttpRequest) -> int:
     return 0
 
 
-def _open_stream(request: HttpRequest, task_id: str) -> tuple[ApiToken, int, Task]:
-    """Everything a new follower needs from the database, in one borrowed
-    connection: its token (401/403), resume point (400) and task (404)."""
-    token = authenticated_token(request.headers.get("Authorization"), "tasks:read")
+async def _open_stream(request: HttpRequest, task_id: str) -> tuple[ApiToken, int, Task]:
+    """Everything a new follower needs, in one query on the streams' pool (no
+    thread, no new database session): its token (401/403), resume point
+    (400) and task (404), refused in that order. An id that cannot be a
+    task's is not sent to the database."""
+    prefix, secret = bearer_credentials(request.headers.get("Authorization"))
+    valid = is_valid_id(task_id, "task")
+    found, task = await event_reader.token_and_task(prefix, task_id if valid else None)
+    now = timezone.now()
+    token = verified_token(found, secret, now)
+    if use_to_record(token, now):
+        await event_reader.record_token_use(token.pk, now)
+    require_scope(token, "tasks:read")
     after = resume_point(request)
-    return token, after, selectors.owned_task(token.owner, task_id)
+    if task is None:
+        raise selectors.task_not_found(task_id)
+    return token, after, task
 
 
 @csrf_free
 async def task_events(request: HttpRequest, task_id: str) -> HttpResponse:
     check_method(request, ("GET",))
-    token, after, task = await db_call(_open_stream, request, task_id)
+    token, after, task = await _open_stream(request, task_id)
     if task.is_final and task.last_event_id <= after:
         return HttpResponse(status=204)
     if after > task.last_event_id:

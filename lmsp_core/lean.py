@@ -1,0 +1,276 @@
+"""Chosen async views served without Django's per-request machinery.
+
+Thousands of clients hold event streams open on one web process (README,
+"Event streams at scale"). Under Django's ASGI handler each of them cost
+about 28 KiB of RSS while it waited and over 2 ms of CPU to connect before
+any line of the view ran (``bench/README.md``, bench_fanout.py): every
+request gets a thread of its own (asgiref's ``ThreadSensitiveContext``),
+every hook of every ``MiddlewareMixin`` middleware is a hop to that thread
+and back, two more asyncio tasks watch the request while it is answered,
+and the response with its headers and three wrappers of its iterator stay
+alive as long as the stream.
+
+``LeanViews`` sits in front of Django (``lmsp_project/asgi.py``) and serves
+the views it is given itself, on the event loop, with the same parts Django
+would use, so that the answers are Django's to the byte
+(``tests/test_lean_streams_e2e.py``): the URL resolver, an ``ASGIRequest``,
+the project's middleware (``settings.MIDDLEWARE``, in its order: the hooks
+of ``MiddlewareMixin`` middleware are called directly, async-capable
+middleware functions are chained as they are), the view, the exception
+handling of ``process_exception`` and ``response_for_exception``,
+``log_response`` for 4xx and 5xx, and ``send_response``'s messages. A
+waiting stream holds its iterator and one task that listens for the
+client's disconnect, which ends the stream at once, as under Django.
+
+Whatever it cannot answer exactly as Django would goes to Django (the
+``app`` given) unchanged, before anything was sent or any view ran: other
+methods than GET, requests with a body, paths that resolve to other views,
+requests Django cannot parse, and requests that a middleware's
+``process_request`` answers or refuses itself (a bad ``Host``, an
+unsupported ``LMSP-Version``).
+
+What it leaves out, so what a view served here must not need: the
+``request_started`` / ``request_finished`` signals (which close the database
+connections of the request's thread: a view served here touches the
+database only asynchronously or from worker threads,
+``lmsp_core.http.db_call``), a thread per request (``sync_to_async`` with
+``thread_sensitive=True`` would share one thread among all requests),
+``ATOMIC_REQUESTS`` and template responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import Awaitable, Callable, Collection
+from contextlib import aclosing
+
+from django.conf import settings
+from django.core.handlers.asgi import ASGIHandler, ASGIRequest, get_script_prefix
+from django.core.handlers.exception import response_for_exception
+from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
+from django.urls import Resolver404, ResolverMatch, resolve, set_script_prefix
+from django.utils.deprecation import MiddlewareMixin
+from django.utils.log import log_response
+from django.utils.module_loading import import_string
+
+from .asgi import ASGIApp, Receive, Scope, Send
+
+Handler = Callable[[HttpRequest], Awaitable[HttpResponseBase]]
+
+
+class _Declined(BaseException):
+    """A middleware answered or refused the request before its view: Django
+    answers it. A ``BaseException``, so that no middleware or exception
+    handling on the way out turns it into a response."""
+
+
+class LeanViews:
+    """ASGI application: GET requests without a body that resolve to one of
+    ``views`` are answered here; everything else goes to ``app``.
+
+    ``app`` is the whole application for the other requests (Django behind
+    ``lmsp_core.asgi.BoundedBody``: a request without a body has nothing for
+    it to bound); ``django`` is Django's own handler, whose
+    ``send_response`` writes the answers that are not streams.
+    """
+
+    def __init__(self, app: ASGIApp, django: ASGIHandler, views: Collection[Callable]) -> None:
+        self.app = app
+        self.django = django
+        self.views = frozenset(views)
+        self._chain: Handler | None = None
+        self._view_hooks: list[Callable] = []
+        self._exception_hooks: list[Callable] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        view = self._view_of(scope)
+        if view is None:
+            await self.app(scope, receive, send)
+            return
+        try:
+            response = await self._respond(scope, view)
+        except _Declined:
+            await self.app(scope, receive, send)
+            return
+        del view
+        if response.streaming and response.is_async:
+            stream = _Stream(response)
+            del response  # a waiting stream holds only its iterator
+            await stream.send(receive, send)
+        else:
+            await self.django.send_response(response, send)
+
+    def _view_of(self, scope: Scope) -> ResolverMatch | None:
+        """The resolved view when it is one of ours and the request one we
+        answer, else None."""
+        if scope["type"] != "http" or scope["method"] != "GET":
+            return None
+        for name, value in scope["headers"]:
+            if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
+                return None  # a body: Django reads and bounds it
+        script_name = get_script_prefix(scope)
+        path_info = scope["path"].removeprefix(script_name) if script_name else scope["path"]
+        try:
+            match = resolve(path_info)
+        except Resolver404:
+            return None
+        return match if match.func in self.views else None
+
+    async def _respond(self, scope: Scope, match: ResolverMatch) -> HttpResponseBase:
+        """Django's ``get_response_async`` for a resolved request."""
+        script_name = get_script_prefix(scope)
+        if script_name:  # unset, reverse() uses the default, "/", as Django would set it
+            set_script_prefix(script_name)
+        try:
+            request = ASGIRequest(scope, io.BytesIO())
+        except Exception as exc:  # a query string that is not UTF-8: Django's own 400
+            raise _Declined from exc
+        request.resolver_match = match
+        if self._chain is None:
+            self._chain = self._build_chain()
+        response = await self._chain(request)
+        if response.status_code >= 400:
+            log_response(
+                "%s: %s", response.reason_phrase, request.path, response=response, request=request
+            )
+        return response
+
+    def _build_chain(self) -> Handler:
+        """The project's middleware around ``_view``, outermost first, as
+        Django's ``BaseHandler.load_middleware`` nests it."""
+        handler: Handler = _converted(self._view)
+        for path in reversed(settings.MIDDLEWARE):
+            factory = import_string(path)
+            if isinstance(factory, type) and issubclass(factory, MiddlewareMixin):
+                instance = factory(handler)
+                if hasattr(instance, "process_view"):
+                    self._view_hooks.insert(0, instance.process_view)
+                if hasattr(instance, "process_exception"):
+                    self._exception_hooks.append(instance.process_exception)
+                handler = _converted(_inline(instance, handler))
+            elif getattr(factory, "async_capable", False):
+                handler = _converted(factory(handler))
+            else:
+                raise TypeError(f"{path} can be served neither inline nor asynchronously")
+        return handler
+
+    async def _view(self, request: HttpRequest) -> HttpResponseBase:
+        """Django's ``_get_response_async`` for a resolved request."""
+        match = request.resolver_match
+        for hook in self._view_hooks:
+            response = hook(request, match.func, match.args, match.kwargs)
+            if response is not None:
+                return response
+        try:
+            response = await match.func(request, *match.args, **match.kwargs)
+        except Exception as exc:
+            for hook in self._exception_hooks:
+                response = hook(request, exc)
+                if response is not None:
+                    return response
+            raise
+        if response is None:
+            raise ValueError(f"The view {match.func.__qualname__} returned None.")
+        return response
+
+
+def _inline(middleware: MiddlewareMixin, inner: Handler) -> Handler:
+    """A ``MiddlewareMixin`` around ``inner``, its hooks called directly: they
+    only look at the request and the response."""
+    process_request = getattr(middleware, "process_request", None)
+    process_response = getattr(middleware, "process_response", None)
+
+    async def layer(request: HttpRequest) -> HttpResponseBase:
+        if process_request is not None:
+            try:
+                early = process_request(request)
+            except Exception as exc:
+                raise _Declined from exc
+            if early is not None:
+                raise _Declined
+        response = await inner(request)
+        if process_response is not None:
+            response = process_response(request, response)
+        return response
+
+    return layer
+
+
+def _converted(handler: Handler) -> Handler:
+    """``convert_exception_to_response``, with no thread for the conversion."""
+
+    async def layer(request: HttpRequest) -> HttpResponseBase:
+        try:
+            return await handler(request)
+        except Exception as exc:
+            return response_for_exception(request, exc)
+
+    return layer
+
+
+class _Stream:
+    """Django's ``ASGIHandler.send_response`` for an async stream (the same
+    messages, chunks and final empty one), without holding the response, its
+    headers or Django's wrappers of its iterator while the stream waits. A
+    disconnect of the client ends the stream: its iterator sees the
+    cancellation, as under Django's handler, which cancels the request's task.
+    """
+
+    __slots__ = ("start", "chunks", "charset")
+
+    def __init__(self, response: StreamingHttpResponse) -> None:
+        headers = [
+            (name.encode("ascii"), value.encode("latin1")) for name, value in response.items()
+        ]
+        headers += [
+            (b"Set-Cookie", cookie.output(header="").encode("ascii").strip())
+            for cookie in response.cookies.values()
+        ]
+        self.start: dict | None = {
+            "type": "http.response.start",
+            "status": response.status_code,
+            "headers": headers,
+        }
+        # The iterator itself: streaming_content would wrap it, holding the response.
+        self.chunks = response._iterator
+        self.charset = response.charset
+
+    async def send(self, receive: Receive, send: Send) -> None:
+        """The body goes out from a task of its own while this one listens to
+        the client: ``receive`` answers ``http.disconnect`` when the client
+        leaves, or once the response is complete (ASGI). A wake of a waiting
+        stream then resumes only the body's coroutines."""
+        start, self.start = self.start, None
+        await send(start)
+        del start
+        body = asyncio.get_running_loop().create_task(self._body(send))
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except BaseException:
+            body.cancel()
+            raise
+        if not body.done():
+            body.cancel()  # the client left before the end
+        try:
+            await body
+        except asyncio.CancelledError:
+            if not body.cancelled() or asyncio.current_task().cancelling():
+                raise
+
+    async def _body(self, send: Send) -> None:
+        async with aclosing(self.chunks) as chunks:
+            async for part in chunks:
+                if not isinstance(part, bytes):  # as HttpResponseBase.make_bytes
+                    part = (
+                        bytes(part)
+                        if isinstance(part, memoryview)
+                        else str(part).encode(self.charset)
+                    )
+                if len(part) <= ASGIHandler.chunk_size:  # the one chunk of chunk_bytes
+                    await send({"type": "http.response.body", "body": part, "more_body": True})
+                    continue
+                for chunk, _ in ASGIHandler.chunk_bytes(part):
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body"})

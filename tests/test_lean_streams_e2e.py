@@ -1,0 +1,278 @@
+"""Follower streams served outside Django's request handler (``lmsp_core.lean``)
+answer exactly as Django's handler does: every status the follower endpoints
+give, compared byte for byte (the ``date`` header aside) with a web process
+that runs them through Django (``LMSP_LEAN_STREAMS=0``), on the same database
+and Redis. The other stream tests go through the lean path too: the stack's
+web process serves it by default, as ``test_the_service_serves_followers_lean``
+shows."""
+
+from __future__ import annotations
+
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.utils import timezone
+
+from accounts_app.models import ApiToken
+from accounts_app.services import revoke_token
+from lmsp_core.lean import LeanViews
+from tasks_app.retention import prune_events
+
+from .conftest import make_token, request_body
+from .stack import Proc
+from .test_metrics import scrape, value
+from .test_tasks_e2e import create_task, wait_for
+
+pytestmark = pytest.mark.e2e
+
+# Two streams per token and three per process, in both web processes: the caps
+# are compared too.
+CAPS = {"LMSP_MAX_STREAMS_PER_TOKEN": "2", "LMSP_MAX_STREAMS_PER_PROCESS": "3"}
+
+
+def _scope(method: str, path: str, headers: list[tuple[bytes, bytes]] | None = None) -> dict:
+    return {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "root_path": "",
+        "query_string": b"",
+        "headers": headers or [],
+    }
+
+
+def test_the_service_serves_followers_lean():
+    """The application the web process runs (the stack's, the Procfile's) answers
+    the follower endpoints itself, and hands everything else to Django."""
+    from lmsp_project.asgi import application
+    from openai_app.views import response_detail
+    from tasks_app.views import task_events
+
+    assert isinstance(application, LeanViews)
+    task = "task_01J8M6Q4W2T7N5R3V9X1Z8B0DF"
+    found = application._view_of(_scope("GET", f"/lmsp/v1/tasks/{task}/events"))
+    assert found is not None and found.func is task_events
+    assert found.route == "lmsp/v1/tasks/<str:task_id>/events"
+    answer = application._view_of(_scope("GET", "/v1/responses/resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF"))
+    assert answer is not None and answer.func is response_detail
+    for scope in (
+        _scope("POST", f"/lmsp/v1/tasks/{task}/events"),
+        _scope("HEAD", f"/lmsp/v1/tasks/{task}/events"),
+        _scope("GET", f"/lmsp/v1/tasks/{task}/events", [(b"content-length", b"3")]),
+        _scope("GET", f"/lmsp/v1/tasks/{task}/events", [(b"transfer-encoding", b"chunked")]),
+        _scope("GET", f"/lmsp/v1/tasks/{task}"),
+        _scope("GET", "/lmsp/v1/models"),
+        _scope("GET", "/lmsp/v1/nothing/here"),
+        {"type": "lifespan"},
+    ):
+        assert application._view_of(scope) is None, scope
+
+
+# --- the same answers from both paths -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def twins(stack):
+    """(lean port, Django port): two more web processes with the same caps."""
+    from lmsp_project.devstack import free_port
+
+    procs = []
+    for lean in ("1", "0"):
+        port = free_port()
+        proc = Proc(
+            f"web-lean{lean}-{port}",
+            [*stack.web.argv[:-5], "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
+            {**stack.env, **CAPS, "LMSP_LEAN_STREAMS": lean},
+            ready="Application startup complete",
+        )
+        proc.start()
+        procs.append((proc, port))
+    yield procs[0][1], procs[1][1]
+    for proc, _ in procs:
+        proc.stop()
+
+
+def _request(
+    port: int, path: str, headers: dict[str, str | bytes], method: str = "GET"
+) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    lines = [f"{method} {path} HTTP/1.1".encode()]
+    for name, text in {"Host": "127.0.0.1", **headers}.items():
+        lines.append(name.encode() + b": " + (text if isinstance(text, bytes) else text.encode()))
+    sock.sendall(b"\r\n".join(lines) + b"\r\n\r\n")
+    return sock
+
+
+def _exchange(port: int, path: str, headers: dict[str, str | bytes], method: str = "GET") -> bytes:
+    """The whole answer, as bytes on the wire, less its ``date`` line."""
+    sock = _request(port, path, {**headers, "Connection": "close"}, method)
+    raw = b""
+    while chunk := sock.recv(65536):
+        raw += chunk
+    sock.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(b"date:")]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+def _held(port: int, path: str, token: str) -> tuple[socket.socket, bytes, bytes]:
+    """A stream held open: the socket, the head of its answer (less its
+    ``date`` line) and what came of its body with it."""
+    sock = _request(port, path, {"Authorization": f"Bearer {token}"})
+    raw = b""
+    while b"\r\n\r\n" not in raw:
+        raw += sock.recv(65536)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(b"date:")]
+    return sock, b"\r\n".join(lines), body
+
+
+def _same(twins, path: str, headers: dict[str, str | bytes], method: str = "GET") -> bytes:
+    lean, django = (_exchange(port, path, headers, method) for port in twins)
+    assert lean == django, path
+    return lean
+
+
+def _status(raw: bytes) -> int:
+    return int(raw.split(b" ", 2)[1])
+
+
+def test_answers_are_byte_for_byte_those_of_django(twins, api, token, stack):
+    done = wait_for(api, create_task(api, max_output_tokens=8)["id"])
+    events = f"/lmsp/v1/tasks/{done['id']}/events"
+    last = done["last_event_id"]
+    auth = {"Authorization": f"Bearer {token}"}
+    cases = [
+        (events, auth, 200),
+        (events, {**auth, "Last-Event-ID": "2"}, 200),
+        (f"{events}?after=3", {**auth, "Last-Event-ID": "1"}, 200),
+        (f"{events}?after={last}", auth, 204),
+        (f"{events}?after={last + 5}", auth, 204),
+        (f"{events}?after=abc", auth, 400),
+        (f"{events}?after=%00", auth, 400),
+        (events, {**auth, "Last-Event-ID": "\xb2".encode("latin-1")}, 400),
+        (events, {**auth, "Last-Event-ID": "-3"}, 400),
+        (events, {}, 401),
+        (events, {"Authorization": "Basic abc"}, 401),
+        (events, {"Authorization": "Bearer nonsense"}, 401),
+        (events, {"Authorization": "Bearer lmsp_abcdefabcdef_x"}, 401),
+        (events, {"Authorization": f"Bearer {make_token('mallory')}"}, 404),
+        (events, {"Authorization": f"Bearer {make_token('dave', ['models:read'])}"}, 403),
+        ("/lmsp/v1/tasks/%00/events", auth, 404),
+        ("/lmsp/v1/tasks/task_01J8M6Q4W2T7N5R3V9X1Z8B0DF/events", auth, 404),
+        (events, {**auth, "LMSP-Version": "2.0"}, 400),  # refused by the middleware: Django's
+        (events, {**auth, "Host": "evil.example"}, 400),
+        (events, {**auth, "Cookie": "sessionid=abc; theme=dark"}, 200),
+    ]
+    for path, headers, status in cases:
+        assert _status(_same(twins, path, headers)) == status, (path, headers)
+    for method in ("POST", "HEAD", "DELETE"):  # Django's in both (405)
+        assert _status(_same(twins, events, auth, method)) == 405
+
+
+def test_refused_tokens_are_refused_alike(twins, api, token):
+    done = wait_for(api, create_task(api, max_output_tokens=2)["id"])
+    events = f"/lmsp/v1/tasks/{done['id']}/events"
+    User = get_user_model()
+    alice = User.objects.get(username="alice")
+    for secret_of in ("revoked", "expired", "inactive"):
+        secret = make_token("alice")
+        prefix = secret.split("_")[1]
+        if secret_of == "revoked":
+            revoke_token(prefix)
+        elif secret_of == "expired":
+            ApiToken.objects.filter(prefix=prefix).update(
+                expires_at=timezone.now() - timedelta(seconds=1)
+            )
+        else:
+            User.objects.filter(pk=alice.pk).update(is_active=False)
+        try:
+            raw = _same(twins, events, {"Authorization": f"Bearer {secret}"})
+        finally:
+            User.objects.filter(pk=alice.pk).update(is_active=True)
+        assert _status(raw) == 401 and b'www-authenticate: Bearer realm="lmsp"' in raw, raw
+    # a token's use is recorded at most once a minute, by either path
+    ApiToken.objects.filter(prefix=token.split("_")[1]).update(last_used_at=None)
+    _exchange(twins[0], events, {"Authorization": f"Bearer {token}"})
+    assert ApiToken.objects.get(prefix=token.split("_")[1]).last_used_at is not None
+
+
+def test_expired_history_is_410_alike(twins, api, token):
+    done = wait_for(api, create_task(api, max_output_tokens=2)["id"])
+    prune_events(older_than=0)
+    raw = _same(twins, f"/lmsp/v1/tasks/{done['id']}/events", {"Authorization": f"Bearer {token}"})
+    assert _status(raw) == 410 and b'"event_history_expired"' in raw
+
+
+def test_live_streams_caps_and_keep_alives_alike(twins, api, token, stack, restart_after):
+    stack.worker.stop()  # queued: the streams stay open, with keep-alives (1 s here)
+    task = create_task(api, max_output_tokens=4)
+    path = f"/lmsp/v1/tasks/{task['id']}/events"
+    held = {port: [_held(port, path, token) for _ in range(2)] for port in twins}
+    refused = {port: _exchange(port, path, {"Authorization": f"Bearer {token}"}) for port in twins}
+    lean, django = twins
+    assert [head for _, head, _ in held[lean]] == [head for _, head, _ in held[django]]
+    assert held[lean][0][1].startswith(b"HTTP/1.1 200 OK")
+    assert refused[lean] == refused[django]
+    assert _status(refused[lean]) == 503 and b"retry-after: 5" in refused[lean]
+    time.sleep(2.5)
+    for port in twins:
+        for sock, _, body in held[port]:
+            body += sock.recv(65536)
+            assert b"event: response.created" in body and b": queued 1" in body, body
+    # a closed stream gives its place back at once, on both paths
+    for port in twins:
+        held[port][0][0].close()
+    deadline = time.monotonic() + 10
+    for port in twins:
+        while True:
+            sock, head, _ = _held(port, path, token)
+            sock.close()
+            if head.startswith(b"HTTP/1.1 200"):
+                break
+            assert time.monotonic() < deadline, "a closed stream kept its place"
+            time.sleep(0.1)
+        held[port][1][0].close()
+
+
+def test_openai_background_response_stream_alike(twins, stack, transactional_db):
+    secret = make_token("olivia")
+    with stack.client(secret) as client:
+        started = client.post("/v1/responses", json={**request_body(), "background": True})
+        assert started.status_code == 200, started.text
+        response_id = started.json()["id"]
+        deadline = time.monotonic() + 120
+        while client.get(f"/v1/responses/{response_id}").json()["status"] in (
+            "queued",
+            "in_progress",
+        ):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    auth = {"Authorization": f"Bearer {secret}"}
+    path = f"/v1/responses/{response_id}"
+    for query, status in [
+        ("", 200),
+        ("?stream=true", 200),
+        ("?stream=true&starting_after=3", 200),
+        ("?stream=maybe", 400),
+        ("?starting_after=3", 400),
+    ]:
+        assert _status(_same(twins, path + query, auth)) == status, query
+    assert _status(_same(twins, path + "?stream=true", {})) == 401
+    other = {"Authorization": f"Bearer {make_token('mallory')}"}
+    assert _status(_same(twins, path + "?stream=true", other)) == 404
+
+
+def test_follower_requests_are_counted_in_metrics(twins, api, token, stack):
+    metrics = make_token("prometheus", ["metrics:read"])
+    done = wait_for(api, create_task(api, max_output_tokens=2)["id"])
+    labels = dict(endpoint="lmsp/v1/tasks/<str:task_id>/events", method="GET", status="200")
+    before = value(scrape(stack, metrics), "lmsp_http_requests_total", **labels)
+    _exchange(twins[0], f"/lmsp/v1/tasks/{done['id']}/events", {"Authorization": f"Bearer {token}"})
+    deadline = time.monotonic() + 10
+    while value(scrape(stack, metrics), "lmsp_http_requests_total", **labels) < before + 1:
+        assert time.monotonic() < deadline, "the lean path's request was not counted"
+        time.sleep(0.2)
