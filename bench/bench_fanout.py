@@ -463,9 +463,14 @@ def floors(args: argparse.Namespace) -> list[str]:
             {"DJANGO_SETTINGS_MODULE": "fanout_floor"},
         ),
         (
-            "the same, the request's thread let go (as streams do)",
+            "the same, the request's thread let go (as streams did)",
             "lmsp_project.asgi:application",
             {"DJANGO_SETTINGS_MODULE": "fanout_floor", "LMSP_FLOOR_PARK": "1"},
+        ),
+        (
+            "the same view and middleware under lmsp_core.lean (as streams are)",
+            "fanout_floor:lean_app",
+            {"DJANGO_SETTINGS_MODULE": "fanout_floor"},
         ),
     ]:
         port = free_port()
@@ -594,7 +599,9 @@ def main() -> None:
         parser.add_argument("--n", type=int, required=True)
         parser.add_argument("--connect-window", type=int, default=200)
         parser.add_argument("--end-timeout", type=float, default=120)
-        asyncio.run(run_client(parser.parse_args()))
+        import uvloop
+
+        uvloop.run(run_client(parser.parse_args()))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--followers", type=int, default=1000)

@@ -9,7 +9,10 @@ can be read against them.
   whose one async view answers a ``StreamingHttpResponse`` that sends one
   event and waits: Django's per-request overhead, without authentication,
   database or feeds; ``django-parked`` the same view letting go of the
-  request's thread as a waiting stream does (``LMSP_FLOOR_PARK``).
+  request's thread as a waiting stream does (``LMSP_FLOOR_PARK``);
+- ``lean_app``: the same view and middleware served by
+  ``lmsp_core.lean.LeanViews``, as follower streams are, without Django's
+  request handler.
 """
 
 from __future__ import annotations
@@ -52,9 +55,16 @@ async def _django_view(request, task_id: str):  # noqa: ANN001, ANN202
     return StreamingHttpResponse(frames(), content_type="text/event-stream")
 
 
-def __getattr__(name: str):  # noqa: ANN202 - urlpatterns, built once Django is set up
+def __getattr__(name: str):  # noqa: ANN202 - built once Django is set up
     if name == "urlpatterns":
         from django.urls import path
 
         return [path("lmsp/v1/tasks/<str:task_id>/events", _django_view)]
+    if name == "lean_app":
+        from django.core.asgi import get_asgi_application
+
+        from lmsp_core.lean import LeanViews
+
+        django_app = get_asgi_application()
+        return LeanViews(django_app, django_app, [_django_view])
     raise AttributeError(name)
