@@ -143,7 +143,7 @@ class GenerationRun:
             grammar=constraints.compiled_grammar(lm, self.params),
         )
         interval = settings.LMSP_FLUSH_INTERVAL_SECONDS
-        stack, decoding = ExitStack(), None
+        stack, counted = ExitStack(), False
         # Counts and times the tokens for /metrics; a resumed answer has no first token.
         timer = recorders.TokenTimer(
             self.spec.id, None if self.token_ids else self.response.created_at
@@ -155,8 +155,9 @@ class GenerationRun:
                     due = True  # no token for IDLE_FLUSH_SECONDS
                 else:
                     timer.tick()
-                    if decoding is None:  # in the batch now: its flushes are grouped
-                        decoding = stack.enter_context(flush_group.decoding())
+                    if not counted:  # in the batch now: its flushes are grouped
+                        stack.enter_context(flush_group.decoding())
+                        counted = True
                 if token_id in lm.eos_token_ids:
                     self.ended_by_model = True
                 elif token_id is not None:
