@@ -105,6 +105,7 @@ class _Pusher:
         self._queue.put((kind, value))
 
     def _run(self) -> None:
+        open_streams = 0  # this process's, kept here and written whole
         while True:
             batch = [self._queue.get()]
             while True:
@@ -112,31 +113,30 @@ class _Pusher:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+            open_streams += sum(value for kind, value in batch if kind == "streams")
             try:
-                _push_counts(batch)
+                _push_counts(batch, open_streams)
             except Exception:  # the thread must outlive any one batch
                 log.exception("%d counts not recorded", len(batch))
 
 
-def _push_counts(batch: list[tuple[str, object]]) -> None:
+def _push_counts(batch: list[tuple[str, object]], open_streams: int) -> None:
+    """Requests are added to their counters; the open streams are written
+    whole (SET, not INCRBY), so that a Redis restart, which loses the
+    counter, cannot leave it off by the streams opened before it."""
     requests: dict[str, int] = {}
-    streams, touch = 0, False
+    streams_changed = False
     for kind, value in batch:
         if kind == "request":
             requests[value] = requests.get(value, 0) + 1
-        elif kind == "streams":
-            streams += value
         else:
-            touch = True
+            streams_changed = True  # opened, closed, or refreshed before it expires
     try:
         pipe = client().pipeline(transaction=False)
         for field, count in requests.items():
             pipe.hincrby(REQUESTS_KEY, field, count)
-        if streams or touch:
-            key = _streams_key()
-            if streams:
-                pipe.incrby(key, streams)
-            pipe.expire(key, STREAMS_TTL_SECONDS)
+        if streams_changed:
+            pipe.set(_streams_key(), open_streams, ex=STREAMS_TTL_SECONDS)
         pipe.execute()
     except RECORDING_ERRORS as exc:
         log.debug("%d counts not recorded: %s", len(batch), exc)
