@@ -66,6 +66,33 @@ def _held_back(text: str, markers: tuple[str, ...]) -> int:
     return longest
 
 
+def _call_end(body: str) -> int:
+    """Where the closing tag of the call ``body`` begins; -1 while none.
+
+    A closing tag inside one of the JSON's strings does not close the call:
+    sampled text may write one into an argument (seen at temperature 0.7,
+    where the grammar then made it go on with the string), and cut there the
+    call's JSON was no call and its markup became the message's text.
+    """
+    index = body.find(TOOL_CLOSE)
+    while index >= 0 and _inside_json_string(body[:index]):
+        index = body.find(TOOL_CLOSE, index + 1)
+    return index
+
+
+def _inside_json_string(text: str) -> bool:
+    """Whether JSON text ``text`` ends inside a string."""
+    inside = escaped = False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = inside
+        elif char == '"':
+            inside = not inside
+    return inside
+
+
 def _text_parts(item: dict) -> list[dict]:
     """The parts of an item whose text grows with deltas (none for a function call)."""
     if item["type"] == "message":
@@ -195,7 +222,7 @@ class OutputAssembler:
                 return events
             # mode == "tool": a call is emitted whole once its closing tag arrives
             # (or, opened by the prompt, at the end: ``close``)
-            index = buf.find(TOOL_CLOSE)
+            index = _call_end(buf)
             if index < 0:
                 return events
             events += self._tool_call(buf[:index])

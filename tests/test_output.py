@@ -220,3 +220,24 @@ def test_the_assembler_starts_inside_a_call_only_when_one_is_forced():
     other = ModelSpec("other", "folder", 4096, 1024, ("tools",), tool_format="other")
     assert not opens_call(GenerationParams(tools=[WEATHER_TOOL], tool_choice="required"), other)
     assert not opens_call(GenerationParams(tool_choice="auto"), SMOLLM2)
+
+
+TAG_IN_ARGUMENT = {"name": "get_weather", "arguments": {"city": 'Hang</tool_call>"zhou\\'}}
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_a_closing_tag_inside_an_argument_does_not_end_the_call(size):
+    """Sampled text may write the tag into a string: the call goes on, and no
+    markup becomes message text (seen once in CI at temperature 0.7)."""
+    body = json.dumps(TAG_IN_ARGUMENT, separators=(",", ":"))
+    chunks = [body[i : i + size] for i in range(0, len(body), size)]
+    forced, events = forced_events(chunks)
+    events += forced.finish()
+    tagged_text = f"<tool_call>\n{body}\n</tool_call>"
+    tagged, _ = assemble(
+        [tagged_text[i : i + size] for i in range(0, len(tagged_text), size)], parse_tools=True
+    )
+    for assembler in (forced, tagged):
+        [call] = assembler.items
+        assert call["type"] == "function_call"
+        assert json.loads(call["arguments"]) == TAG_IN_ARGUMENT["arguments"]
