@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 from urllib.parse import quote
 
 import httpx
@@ -94,6 +95,8 @@ class Proc:
 class Stack:
     """The service's processes, with a Redis of their own that tests may restart."""
 
+    running: ClassVar[Stack | None] = None  # the one started, for tests that pause a part
+
     def __init__(self, db: dict, redis_port: int) -> None:
         self.port = free_port()
         self.redis_port = redis_port
@@ -161,8 +164,10 @@ class Stack:
         self.start_redis()
         for proc in (self.web, self.worker, self.ops):
             proc.start()
+        Stack.running = self
 
     def stop(self) -> None:
+        Stack.running = None
         for proc in (self.ops, self.worker, self.web):
             proc.stop()
         self.stop_redis()
