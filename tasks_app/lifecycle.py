@@ -26,7 +26,7 @@ from lmsp_core.errors import ProblemError, problem
 from lmsp_core.status import Status
 from lmsp_project.celery import app as celery_app
 
-from . import broker, fairness, quotas
+from . import broker, fairness, notify, quotas
 from .event_log import EventLog
 from .models import Event, Task, TokenChunk, UsageRecord
 from .signals import task_finished, task_reopened
@@ -309,6 +309,7 @@ def request_cancel(task_id: str) -> Task:
     elif not task.cancel_requested:
         task.cancel_requested = True
         task.save(update_fields=["cancel_requested"])
+        transaction.on_commit(lambda: notify.publish_cancel(task_id))
     return task
 
 

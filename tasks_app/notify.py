@@ -23,6 +23,9 @@ from lmsp_project.redis_client import redis_client
 log = logging.getLogger(__name__)
 
 CHANNEL = "lmsp:events"
+# Task ids whose cancel was committed: the worker running one drops it from
+# its batch at once (``workers.cancellation``), not at its next flush.
+CANCEL_CHANNEL = "lmsp:cancel"
 
 
 def publish(task_id: str, events: Iterable[tuple[int, str, str]]) -> None:
@@ -35,6 +38,15 @@ def publish(task_id: str, events: Iterable[tuple[int, str, str]]) -> None:
         # threads, as redis-py's socket reader reports it. The events are
         # committed; readers find them in PostgreSQL.
         log.warning("Could not publish events of %s: %s", task_id, exc)
+
+
+def publish_cancel(task_id: str) -> None:
+    """Announce a committed cancel of a running task; a Redis outage is
+    logged, never raised (the worker reads the flag at its next flush)."""
+    try:
+        redis_client().publish(CANCEL_CHANNEL, task_id)
+    except (redis.RedisError, OSError, ValueError) as exc:
+        log.warning("Could not announce the cancel of %s: %s", task_id, exc)
 
 
 class EventHub:

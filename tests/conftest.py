@@ -6,16 +6,18 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import redis
 from django.conf import settings
 from django.db import connections
 
 from accounts_app.models import SCOPES
 from accounts_app.services import create_token
+from generation.registry import get_model
 from lmsp_core.status import FINAL_STATUSES as FINAL
 from lmsp_project.celery import app as celery_app
-from lmsp_project.devstack import free_port
+from lmsp_project.devstack import free_port, start_redis
 
-from .stack import STACK_SETTINGS, Stack
+from .stack import LOGS, STACK_SETTINGS, Stack
 
 ALL_SCOPES = list(SCOPES)
 
@@ -41,6 +43,34 @@ def stack(django_db_setup, django_db_blocker, stack_settings: int) -> Iterator[S
     running.start()
     yield running
     running.stop()
+
+
+@pytest.fixture
+def broker(stack_settings: int):  # noqa: ANN201
+    """The tests' broker Redis (the one the test stack uses), started here when
+    the stack is not running; the test queue of the model (the test module's
+    ``LMSP_QUEUE_PREFIX``) starts empty. The stack's ops
+    worker is stopped meanwhile: its sweeper, every second, would race the
+    test's own sweeps for the same aged tasks and hand them to the stack's
+    model worker (seen once: the task a test meant to run was run there)."""
+    paused = Stack.running.ops if Stack.running is not None else None
+    if paused is not None:
+        paused.stop()
+    client = redis.Redis(port=stack_settings, socket_connect_timeout=1)
+    started = None
+    try:
+        client.ping()
+    except redis.ConnectionError:
+        started = start_redis(LOGS / f"redis-{stack_settings}", stack_settings, persist=False)
+    queue = get_model("smollm2:135m").queue
+    client.delete(queue)
+    yield client, queue
+    client.delete(queue)
+    if started is not None:
+        started.kill()
+        started.wait(10)
+    if paused is not None:
+        paused.start()
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import time
 from datetime import timedelta
 
 import pytest
-import redis
 from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
 from django.utils import timezone
@@ -24,7 +23,6 @@ from generation.params import GenerationParams
 from generation.registry import get_model
 from lmsp_core.errors import ProblemError
 from lmsp_core.status import Status
-from lmsp_project.devstack import start_redis
 from responses_app.serializers import validate_response_request
 from responses_app.submit import submit
 from tasks_app import lifecycle
@@ -32,7 +30,7 @@ from tasks_app.models import IdempotencyKey, Task, TaskKind
 from workers.runner import run_task
 
 from .conftest import request_body
-from .stack import LOGS, ROOT, Stack
+from .stack import ROOT
 from .test_lifecycle import events_of, new_task
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -44,33 +42,6 @@ QUEUE_PREFIX = "lmsp.test-hardening"
 def private_queue(settings) -> None:
     """A queue no worker of the test stack serves: only these tests touch it."""
     settings.LMSP_QUEUE_PREFIX = QUEUE_PREFIX
-
-
-@pytest.fixture
-def broker(stack_settings: int):  # noqa: ANN201
-    """The tests' broker Redis (the one the test stack uses), started here when
-    the stack is not running; its test queue starts empty. The stack's ops
-    worker is stopped meanwhile: its sweeper, every second, would race the
-    test's own sweeps for the same aged tasks and hand them to the stack's
-    model worker (seen once: the task a test meant to run was run there)."""
-    paused = Stack.running.ops if Stack.running is not None else None
-    if paused is not None:
-        paused.stop()
-    client = redis.Redis(port=stack_settings, socket_connect_timeout=1)
-    started = None
-    try:
-        client.ping()
-    except redis.ConnectionError:
-        started = start_redis(LOGS / f"redis-{stack_settings}", stack_settings, persist=False)
-    queue = get_model("smollm2:135m").queue
-    client.delete(queue)
-    yield client, queue
-    client.delete(queue)
-    if started is not None:
-        started.kill()
-        started.wait(10)
-    if paused is not None:
-        paused.start()
 
 
 def age(task: Task, seconds: float = 3600) -> None:

@@ -4,10 +4,13 @@ real PostgreSQL and the real model, in this process."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from datetime import timedelta
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.db import connection
 from django.utils import timezone
 
 from lmsp_core.errors import ProblemError
@@ -16,9 +19,10 @@ from responses_app.serializers import validate_response_request
 from responses_app.submit import prepare_generation, start_generation
 from tasks_app import lifecycle
 from tasks_app.models import Event, Task, TaskKind
+from workers import runner as runner_module
 from workers.runner import run_task
 
-from .conftest import make_token, request_body
+from .conftest import LONG_STORY, make_token, request_body, user_message
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -77,6 +81,36 @@ def test_cancel_flag_stops_the_run_at_its_first_step():
     assert run_task(task.id, "w1") == "cancelled"
     task.refresh_from_db()
     assert task.status == Status.CANCELLED
+    assert events_of(task)[-1][1] == "response.cancelled"
+
+
+def test_an_announced_cancel_stops_the_run_before_its_next_flush(settings, broker, monkeypatch):
+    """A cancel reaches the batch at once (``workers.cancellation``), not at
+    the run's next flush: here the flushes after the first are a minute apart,
+    longer than the whole generation, however slow its steps."""
+    settings.LMSP_FLUSH_INTERVAL_SECONDS = 60
+    monkeypatch.setattr(runner_module, "IDLE_FLUSH_SECONDS", 60)
+    task = new_task(input=[user_message(LONG_STORY)], max_output_tokens=400)
+    ended: dict[str, str | None] = {}
+
+    def run() -> None:
+        try:
+            ended["status"] = run_task(task.id, "w1")
+        finally:
+            connection.close()  # this thread's own
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    deadline = time.monotonic() + 120
+    while not Event.objects.filter(task=task, type="response.output_text.delta").exists():
+        assert runner.is_alive() and time.monotonic() < deadline, "no first token"
+        time.sleep(0.02)
+    lifecycle.request_cancel(task.id)
+    runner.join(30)
+    assert not runner.is_alive() and ended["status"] == "cancelled"
+    task.refresh_from_db()
+    assert task.status == Status.CANCELLED
+    assert task.response.output_tokens < 400  # stopped, not run to its limit
     assert events_of(task)[-1][1] == "response.cancelled"
 
 

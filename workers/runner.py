@@ -5,8 +5,9 @@ checkpoint), generates in the model's continuous batch (``batching``), and
 writes events in batches: one transaction per flush, at most every
 ``LMSP_FLUSH_INTERVAL_SECONDS`` (the first token at once: it is the one a
 user waits for). Each flush also renews the lease and reads the cancel flag,
-so a cancel or a lost lease takes the request out of the batch at the next
-decoding step after it. A worker runs several of these at once, one per
+so a lost lease takes the request out of the batch at the next decoding step
+after the flush; an announced cancel does before the next step
+(``cancellation``). A worker runs several of these at once, one per
 Celery thread, all feeding the same engine; flushes that arrive together
 are written together (``flushing``).
 """
@@ -38,6 +39,7 @@ from tasks_app.models import Task
 
 from . import constraints, engine
 from .batching import engine_for
+from .cancellation import cancel_watch
 from .flushing import flush_group
 from .loading import LoadedModel, load_model
 
@@ -144,6 +146,13 @@ class GenerationRun:
         )
         interval = settings.LMSP_FLUSH_INTERVAL_SECONDS
         stack, counted = ExitStack(), False
+
+        def cancelled_now() -> None:  # called from the cancel watch's thread
+            if self.stop is None:
+                self.stop = "cancelled"
+            generation.cancel()
+
+        stack.enter_context(cancel_watch.watching(self.task_id, cancelled_now))
         # Counts and times the tokens for /metrics; a resumed answer has no first token.
         timer = recorders.TokenTimer(
             self.spec.id, None if self.token_ids else self.response.created_at
