@@ -49,7 +49,7 @@ def database_from_url(url: str, pool_size: int = 0) -> dict:
     query = parse_qs(parts.query)
     host = query.get("host", [parts.hostname or ""])[0]
     return {
-        "ENGINE": "django.db.backends.postgresql",
+        "ENGINE": "lmsp_project.postgresql",
         "NAME": unquote(parts.path.lstrip("/")) or "postgres",
         "USER": unquote(parts.username or ""),
         "PASSWORD": unquote(parts.password or ""),

@@ -215,6 +215,30 @@ def test_stream_survives_postgres_and_redis_restarts(api, stack, token, restart_
     assert len(replay) > 20
 
 
+def test_a_pool_of_dead_connections_serves_at_once_after_a_postgres_restart(transactional_db):
+    """Six idle pooled connections, as a worker's threads leave them, all dead
+    after the restart: the first query gets a new one (``lmsp_project.postgresql``)
+    instead of trying each dead one after a longer back-off, 31 s in all,
+    past the pool's 30 s."""
+    holding = threading.Barrier(6)
+
+    def borrow() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        holding.wait(30)  # all six out of the pool at once: six connections
+        connection.close()  # back to the pool, idle
+
+    threads = [threading.Thread(target=borrow) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert connection.pool.get_stats()["pool_available"] >= 6
+    _pg_stop()
+    _pg_start()
+    assert UsageRecord.objects.count() >= 0  # served, not PoolTimeout
+
+
 def test_direct_stream_is_not_cancelled_when_its_database_reads_fail(
     api, stack, token, restart_after
 ):
