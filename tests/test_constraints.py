@@ -33,9 +33,14 @@ TIME = {
     "name": "get_time",
     "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}},
 }
+# Bounded, so that a sampled answer always ends within the tests' token
+# limits (an unbounded name once ran "Alek@Alek@..." past 40 tokens).
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
     "required": ["name", "age"],
 }
 
@@ -192,7 +197,7 @@ def test_ended_after_a_required_call_but_not_in_auto_text(lm):
 def test_generated_json_validates(lm):
     params = GenerationParams(response_format=json_format(PERSON), tools=[], tool_choice="auto")
     ids = prompt_ids(lm, params, "Invent a person.")
-    out = generate(lm, params, ids, [], limit=40)
+    out = generate(lm, params, ids, [], limit=80)
     answer = json.loads(lm.tokenizer.decode(out))
     jsonschema.validate(answer, PERSON)
     assert constraints.ended(lm, params, out)
