@@ -16,3 +16,11 @@ def _connect(url: str) -> redis.Redis:
 def redis_client() -> redis.Redis:
     """A client for ``settings.REDIS_URL`` (read each call: tests point it elsewhere)."""
     return _connect(settings.REDIS_URL)
+
+
+# What a Redis call of a process that carries on without it catches: besides
+# Redis's own errors, a connection broken under one of a worker's threads
+# surfaces from redis-py's socket reader as OSError or ValueError (seen after
+# a worker restart, where it failed the generations that pushed their token
+# counts).
+REDIS_ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, OSError, ValueError)

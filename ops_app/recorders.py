@@ -25,6 +25,8 @@ from datetime import datetime
 import redis
 from django.conf import settings
 
+from lmsp_project.redis_client import REDIS_ERRORS
+
 log = logging.getLogger(__name__)
 
 PREFIX = "lmsp:metrics:"
@@ -46,7 +48,9 @@ FIELD_SEPARATOR = "\t"
 
 
 def client() -> redis.Redis:
-    """This process's Redis client for the numbers (2 s timeouts: never a hang)."""
+    """This process's Redis client for the numbers (2 s timeouts: never a hang).
+    Recording is best effort and never fails the work it counts: its calls
+    catch ``REDIS_ERRORS``."""
     return _connect(settings.REDIS_URL)
 
 
@@ -72,13 +76,6 @@ def _bucket(name: str, seconds: float) -> str:
         if seconds <= upper:
             return bucket_field(upper)
     return "+Inf"
-
-
-# Recording is best effort and never fails the work it counts: besides Redis's
-# own errors, a connection broken under one of a worker's threads surfaces from
-# redis-py's socket reader as OSError or ValueError (seen after a worker restart,
-# where it failed the generations that pushed their token counts).
-RECORDING_ERRORS = (redis.RedisError, OSError, ValueError)
 
 
 class _Pusher:
@@ -138,7 +135,7 @@ def _push_counts(batch: list[tuple[str, object]], open_streams: int) -> None:
         if streams_changed:
             pipe.set(_streams_key(), open_streams, ex=STREAMS_TTL_SECONDS)
         pipe.execute()
-    except RECORDING_ERRORS as exc:
+    except REDIS_ERRORS as exc:
         log.debug("%d counts not recorded: %s", len(batch), exc)
 
 
@@ -154,7 +151,7 @@ def job_succeeded(job: str) -> None:
     """A periodic job (the sweeper, the pruner) ran to its end just now."""
     try:
         client().hset(JOBS_KEY, job, repr(time.time()))
-    except RECORDING_ERRORS as exc:
+    except REDIS_ERRORS as exc:
         log.warning("last run of %s not recorded: %s", job, exc)
 
 
@@ -215,7 +212,7 @@ def _push(model: str, pending: dict[str, dict[str, float]]) -> None:
         if snapshot["tokens"]:
             pipe.hincrby(OUTPUT_TOKENS_KEY, model, int(snapshot["tokens"]["n"]))
         pipe.execute()
-    except RECORDING_ERRORS as exc:
+    except REDIS_ERRORS as exc:
         log.warning("token metrics of %s not recorded: %s", model, exc)
 
 

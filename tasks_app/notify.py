@@ -14,11 +14,10 @@ import json
 import logging
 from collections.abc import Callable, Iterable
 
-import redis
 import redis.asyncio as aioredis
 from django.conf import settings
 
-from lmsp_project.redis_client import redis_client
+from lmsp_project.redis_client import REDIS_ERRORS, redis_client
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +32,8 @@ def publish(task_id: str, events: Iterable[tuple[int, str, str]]) -> None:
     message = json.dumps({"task": task_id, "events": list(events)})
     try:
         redis_client().publish(CHANNEL, message)
-    except (redis.RedisError, OSError, ValueError) as exc:
-        # OSError / ValueError: a connection broken under one of a worker's
-        # threads, as redis-py's socket reader reports it. The events are
-        # committed; readers find them in PostgreSQL.
+    except REDIS_ERRORS as exc:
+        # The events are committed; readers find them in PostgreSQL.
         log.warning("Could not publish events of %s: %s", task_id, exc)
 
 
@@ -45,7 +42,7 @@ def publish_cancel(task_id: str) -> None:
     logged, never raised (the worker reads the flag at its next flush)."""
     try:
         redis_client().publish(CANCEL_CHANNEL, task_id)
-    except (redis.RedisError, OSError, ValueError) as exc:
+    except REDIS_ERRORS as exc:
         log.warning("Could not announce the cancel of %s: %s", task_id, exc)
 
 

@@ -20,9 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-import redis
-
-from lmsp_project.redis_client import redis_client
+from lmsp_project.redis_client import REDIS_ERRORS, redis_client
 from tasks_app.notify import CANCEL_CHANNEL
 
 log = logging.getLogger(__name__)
@@ -66,7 +64,7 @@ class CancelWatch:
                     message = pubsub.get_message(timeout=1.0)
                     if message is not None:
                         self._deliver(message["data"].decode())
-            except (redis.RedisError, OSError, ValueError) as exc:
+            except REDIS_ERRORS as exc:
                 log.info("Cancel announcements unavailable (%s); flushes read the flag", exc)
             except Exception:  # the thread outlives any one message
                 log.exception("Cancel announcement not handled")
