@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from django.db.backends.postgresql import base
 from psycopg import Connection
@@ -33,19 +34,22 @@ class DatabaseWrapper(base.DatabaseWrapper):
         # psycopg_pool keeps it in ``_check``, wrapped here once.
         if pool is not None and pool._check is not None:
             if not isinstance(pool._check, _DrainingCheck):
-                pool._check = _DrainingCheck(pool)
+                pool._check = _DrainingCheck(pool, pool._check)
         return pool
 
 
 class _DrainingCheck:
-    def __init__(self, pool: ConnectionPool) -> None:
+    """The pool's own check, draining the pool when it fails."""
+
+    def __init__(self, pool: ConnectionPool, check: Callable[[Connection], None]) -> None:
         self._pool = pool
+        self._check = check
         self._lock = threading.Lock()
         self._drained_at = 0.0
 
     def __call__(self, connection: Connection) -> None:
         try:
-            ConnectionPool.check_connection(connection)
+            self._check(connection)
         except Exception:
             with self._lock:
                 due = time.monotonic() - self._drained_at >= DRAIN_AT_MOST_EVERY_SECONDS
