@@ -18,6 +18,7 @@ from generation import prompts
 from generation.params import GenerationParams
 from generation.registry import get_model
 from generation.tokens import prompt_tokenizer
+from workers import batching as batching_module
 from workers import constraints, engine
 from workers.batching import BatchingEngine, Generation, engine_for
 from workers.loading import load_model
@@ -216,6 +217,29 @@ def test_a_request_joins_while_others_decode(lm, requests, batching):
     assert joiner.token_ids == alone[:8]
     for (ids, _, alone), gen in zip(requests[4:7], running, strict=True):
         assert_same(lm, ids, alone, gen)
+
+
+def test_a_held_request_keeps_the_batch_from_its_next_step_until_released(
+    lm, requests, batching, monkeypatch
+):
+    """The first token's writer gets the CPU to itself: after a request
+    submitted with ``hold_after_first`` gets its first token, no row steps on
+    until it is released, and then every row goes on as it would have."""
+    monkeypatch.setattr(batching_module, "HOLD_SECONDS", 600.0)  # only the release ends it
+    (ids0, limit0, alone0), (ids1, limit1, alone1) = requests[5], requests[6]
+    running = batching.submit(ids0, greedy(limit0))
+    wait_for_tokens(running, 3)
+    held = batching.submit(ids1, greedy(limit1), hold_after_first=True)
+    tokens = held.stream(timeout=120)
+    assert next(tokens) == alone1[0]
+    steps_before = len(running.token_ids)
+    time.sleep(0.5)  # several decoding steps' time on this machine
+    assert len(running.token_ids) == steps_before and len(held.token_ids) == 1
+    held.release()
+    assert [alone1[0], *tokens] == alone1
+    assert running.wait(300)
+    assert_same(lm, ids0, alone0, running)
+    assert_same(lm, ids1, alone1, held)
 
 
 def test_resuming_from_a_prefix_continues_as_an_uninterrupted_run(lm, requests, batching):

@@ -55,6 +55,11 @@ TokenCallback = Callable[[int], "bool | None"]
 
 _STREAM_END = object()
 
+# The longest the batch waits for a request submitted with
+# ``hold_after_first`` to release it (normally a few milliseconds: the time
+# its caller takes to write the first token).
+HOLD_SECONDS = 0.05
+
 
 class Generation:
     """One submitted request, as its caller sees it.
@@ -67,7 +72,7 @@ class Generation:
     ``error`` holds the exception; only this request is affected).
     """
 
-    def __init__(self, request_id: int, streamed: bool) -> None:
+    def __init__(self, request_id: int, streamed: bool, held: bool = False) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
@@ -77,6 +82,9 @@ class Generation:
         self.finished_at: float | None = None
         self._cancel_requested = False
         self._finished = threading.Event()
+        self._released = threading.Event()
+        if not held:
+            self._released.set()
         self._stream: queue.SimpleQueue | None = queue.SimpleQueue() if streamed else None
 
     def cancel(self) -> None:
@@ -85,6 +93,11 @@ class Generation:
         Safe from any thread; a no-op once it has finished.
         """
         self._cancel_requested = True
+
+    def release(self) -> None:
+        """Let the batch take its next step (see ``submit``'s ``hold_after_first``);
+        safe from any thread, and more than once."""
+        self._released.set()
 
     @property
     def cancel_requested(self) -> bool:
@@ -353,6 +366,7 @@ class BatchingEngine:
         generated_ids: Sequence[int] = (),
         grammar: xgr.CompiledGrammar | None = None,
         eos_token_ids: Iterable[int] | None = None,
+        hold_after_first: bool = False,
     ) -> Generation:
         """Queue one generation; thread-safe.
 
@@ -361,9 +375,14 @@ class BatchingEngine:
         accepts them, and ``sampling.max_new_tokens`` counts only new tokens.
         ``grammar`` (from ``workers.constraints.compiled_grammar``) constrains
         every sampled token. ``eos_token_ids`` default to the model's.
+
+        With ``hold_after_first`` the batch takes no step after this request's
+        first token until ``Generation.release()`` (``HOLD_SECONDS`` at most):
+        the caller's work on the token a user waits for (writing it, sending
+        it) then has the CPU to itself instead of sharing it with the step.
         """
         sequence = _Sequence(
-            Generation(next(self._ids), streamed=on_token is None),
+            Generation(next(self._ids), streamed=on_token is None, held=hold_after_first),
             [*prompt_ids, *generated_ids],
             sampling,
             frozenset(eos_token_ids) if eos_token_ids is not None else self.default_eos,
@@ -420,7 +439,9 @@ class BatchingEngine:
                     batch = self._drop_cancelled(batch)
                 parts = [batch] if batch is not None else []
                 if joining:
-                    parts += self._prefill(joining)
+                    joined = self._prefill(joining)
+                    self._hold_for(joined)
+                    parts += joined
                 batch = _Batch.concatenate(parts) if parts else None
                 self._running = len(batch) if batch else 0
                 if batch is not None:
@@ -430,6 +451,15 @@ class BatchingEngine:
                 sequence.generation._finish("cancelled")
             self._waiting.clear()
             self._running = 0
+
+    @staticmethod
+    def _hold_for(joined: list[_Batch]) -> None:
+        """Wait until the callers that hold the batch after their first token
+        release it, ``HOLD_SECONDS`` at most."""
+        deadline = time.monotonic() + HOLD_SECONDS
+        for batch in joined:
+            for sequence in batch.sequences:
+                sequence.generation._released.wait(max(0.0, deadline - time.monotonic()))
 
     def _drop_cancelled(self, batch: _Batch) -> _Batch | None:
         keep = []

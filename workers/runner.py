@@ -143,6 +143,7 @@ class GenerationRun:
             engine.Sampling(max_new_tokens=remaining, temperature=self.params.temperature),
             generated_ids=self.token_ids,
             grammar=constraints.compiled_grammar(lm, self.params),
+            hold_after_first=True,  # released once the first token is written
         )
         interval = settings.LMSP_FLUSH_INTERVAL_SECONDS
         stack, counted = ExitStack(), False
@@ -176,10 +177,12 @@ class GenerationRun:
                     due = due or (not self.events_flushed and bool(self.pending))
                 if due:
                     self._flush(detok)
+                generation.release()
                 if self.stop is not None or self._past_deadline():
                     return
         finally:
             generation.cancel()  # leaves the batch at its next step; no-op once finished
+            generation.release()
             stack.close()
             timer.push()
         if generation.error is not None:
