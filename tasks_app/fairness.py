@@ -36,37 +36,42 @@ from __future__ import annotations
 
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.db import connection
-from django.db.models import F, Max, Q
+from django.db.models import Q
 
 from lmsp_core.status import Status
 
 from . import quotas
+from .locking import locked_row
 from .models import ModelClock, QueuePosition, Task
 
 LIVE = (Status.QUEUED, Status.IN_PROGRESS)
 FAIR_ORDER = ("fair_key", "created_at", "id")
 
 
+# The clock, or the end of the owner's live tasks of the model if later.
+FAIR_KEY_SQL = """
+SELECT GREATEST(
+    (SELECT virtual_time FROM tasks_app_modelclock WHERE model = %(model)s),
+    (SELECT max(fair_key + cost) FROM tasks_app_task
+      WHERE owner_id = %(owner)s AND model = %(model)s AND status = ANY(%(live)s)),
+    0)
+"""
+
+
 def fair_key_for(owner: AbstractBaseUser, model: str, cost: int) -> int:
     """The fair key of a new task of ``owner`` (whose row the caller has locked,
     so that the owner's tasks get keys one after the other)."""
-    clock = ModelClock.objects.filter(model=model).values_list("virtual_time", flat=True).first()
-    last_end = Task.objects.filter(owner=owner, model=model, status__in=LIVE).aggregate(
-        end=Max(F("fair_key") + F("cost"))
-    )["end"]
-    return max(clock or 0, last_end or 0)
-
-
-def _locked_clock(model: str) -> ModelClock:
-    ModelClock.objects.bulk_create([ModelClock(model=model)], ignore_conflicts=True)
-    return ModelClock.objects.select_for_update().get(model=model)
+    with connection.cursor() as cursor:
+        live = [status.value for status in LIVE]
+        cursor.execute(FAIR_KEY_SQL, {"model": model, "owner": owner.pk, "live": live})
+        return cursor.fetchone()[0]
 
 
 def take_fairest(model: str) -> Task | None:
     """Lock and return the queued task of ``model`` a free slot should take, or
     None (nothing queued, or every waiting owner at its running quota).
     Call inside the claiming transaction."""
-    clock = _locked_clock(model)
+    clock = locked_row(ModelClock, model=model)
     passed_over: set[int] = set()  # owners at their running quota
     while True:
         task = (

@@ -22,6 +22,7 @@ from django.utils import timezone
 from lmsp_core.errors import ProblemError
 from lmsp_core.status import Status
 
+from .locking import locked_row
 from .models import OwnerQuota, Task, UsageRecord
 
 TOKEN_WINDOW = timedelta(seconds=60)
@@ -38,8 +39,7 @@ class Limits:
 
 def lock_owner(owner_id: int) -> OwnerQuota:
     """The owner's quota row, created if missing, locked until the transaction ends."""
-    OwnerQuota.objects.bulk_create([OwnerQuota(owner_id=owner_id)], ignore_conflicts=True)
-    return OwnerQuota.objects.select_for_update().get(owner_id=owner_id)
+    return locked_row(OwnerQuota, owner_id=owner_id)
 
 
 def limits_of(quota: OwnerQuota | None) -> Limits:

@@ -37,7 +37,7 @@ def check_capacity(spec: ModelSpec) -> None:
         )
 
 
-@transaction.atomic
+@transaction.atomic(savepoint=False)  # part of the submit's transaction, never retried alone
 def create_task(
     owner: AbstractBaseUser,
     response_id: str,
@@ -49,9 +49,10 @@ def create_task(
     """The task that generates a response (already stored in this transaction):
     log ``response.created``, count the request, and queue the job once this
     transaction commits. ``cost`` is what fair sharing charges the owner for
-    it: its output token budget."""
+    it: its output token budget. Call after ``admit`` in the same
+    transaction: its lock on the owner's row gives the owner's tasks their
+    fair keys one at a time."""
     now = timezone.now()
-    quotas.lock_owner(owner.pk)  # the owner's tasks get fair keys one at a time
     cost = max(1, cost)
     task = Task.objects.create(
         id=new_id("task"),
