@@ -17,6 +17,12 @@ One run prints, side by side:
 rounds in the same time; ``LMSP_FLUSH_INTERVAL_SECONDS`` and the other
 settings in the environment reach the service.
 
+The first token's overhead is measured apart, after the rounds: ``--pairs``
+(20) alternations of a raw prefill (``generate`` of one token) and a
+service request of 4 tokens, one at a time; it prints the median and the
+best of each and the difference of the medians (one request per round in
+the rounds above is too few for a figure of a few milliseconds).
+
 For each: aggregate output tokens/s (all streams), time to first token
 (p50/p95, from sending the request to the first text delta; for raw
 generation, the prefill) and inter-token time (p50/p95, between deltas of a
@@ -211,6 +217,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--alone", action="store_true", help="raw single and service c=1 only")
+    parser.add_argument("--pairs", type=int, default=20, help="raw prefill / service TTFT pairs")
     args = parser.parse_args()
 
     with ExitStack() as stack:
@@ -261,6 +268,10 @@ def main() -> int:
             asyncio.run(late_joiner(base, token, args.tokens))
             for _ in range(0 if args.alone else args.rounds)
         ]
+        prefills, firsts = [], []
+        for _ in range(args.pairs):
+            prefills.append(raw_generate(lm, prompt_ids, 1, 1).ttft[0])
+            firsts.append(asyncio.run(service_round(base, token, 1, 4)).ttft[0])
 
     def best(name: str) -> Round:
         return max(variants[name], key=lambda r: r.tokens_per_s)
@@ -284,10 +295,20 @@ def main() -> int:
         )
     raw1, s1 = best("raw single"), best("service c=1")
     alone = pct(s1.ttft, 0.5)
+    if prefills:
+        print(
+            f"first token, {args.pairs} pairs, ms: raw prefill median "
+            f"{statistics.median(prefills) * 1e3:.0f} best {min(prefills) * 1e3:.0f}; "
+            f"service TTFT median {statistics.median(firsts) * 1e3:.0f} "
+            f"best {min(firsts) * 1e3:.0f}"
+        )
     lines = [
         ("service c=1 / raw single", f"{s1.tokens_per_s / raw1.tokens_per_s:.2f}x", ">= 0.97x"),
-        ("TTFT c=1 p50 - raw prefill", f"{(alone - raw1.ttft[0]) * 1e3:.0f} ms", "<= 15 ms"),
+        ("TTFT c=1 p50 - raw prefill", f"{(alone - raw1.ttft[0]) * 1e3:.0f} ms", "(best rounds)"),
     ]
+    if prefills:
+        overhead = statistics.median(firsts) - statistics.median(prefills)
+        lines.append(("  of the pairs' medians", f"{overhead * 1e3:.0f} ms", "<= 15 ms"))
     if args.alone:
         medians = median_tps("service c=1") / median_tps("raw single")
         lines.append(("  the same, of the medians", f"{medians:.2f}x", ">= 0.97x"))
