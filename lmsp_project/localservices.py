@@ -15,6 +15,7 @@ Only the standard library at import time: settings import this module.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 from pathlib import Path
@@ -88,6 +89,18 @@ def _forget_dead_handles(pgdata: Path) -> None:
         path.write_text(json.dumps(alive))
 
 
+def _follow_restarts(server: object) -> None:
+    """pgserver's exit hook stops the server through the postmaster process it
+    saw when it attached; after a restart with ``pg_ctl`` (the PostgreSQL
+    restart tests do that) that process is gone and the new postmaster would
+    be left running. Point the hook at the postmaster running now."""
+    from pgserver.utils import PostmasterInfo
+
+    running = PostmasterInfo.read_from_pgdata(server.pgdata)
+    if running is not None and running.is_running():
+        server._postmaster_info = running
+
+
 def attach_embedded_postgres(folder: Path | None = None) -> str:
     """Start (or join, when ``scripts/serve`` runs) the embedded PostgreSQL under
     the data folder and return its URL. It stays up while this process lives;
@@ -106,6 +119,7 @@ def attach_embedded_postgres(folder: Path | None = None) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     _forget_dead_handles(folder / "postgres")
     server = pgserver.get_server(folder / "postgres", cleanup_mode="stop")
+    atexit.register(_follow_restarts, server)  # runs before pgserver's hook (last in, first out)
     exists = server.psql(f"SELECT 1 FROM pg_database WHERE datname = '{DATABASE_NAME}';")
     if "(1 row)" not in exists:
         server.psql(f"CREATE DATABASE {DATABASE_NAME};")
