@@ -231,11 +231,13 @@ def test_a_held_request_keeps_the_batch_from_its_next_step_until_released(
     wait_for_tokens(running, 3)
     held = batching.submit(ids1, greedy(limit1), hold_after_first=True)
     tokens = held.stream(timeout=120)
-    assert next(tokens) == alone1[0]
-    steps_before = len(running.token_ids)
-    time.sleep(0.5)  # several decoding steps' time on this machine
-    assert len(running.token_ids) == steps_before and len(held.token_ids) == 1
-    held.release()
+    try:
+        assert next(tokens) == alone1[0]
+        steps_before = len(running.token_ids)
+        time.sleep(0.5)  # several decoding steps' time on this machine
+        assert len(running.token_ids) == steps_before and len(held.token_ids) == 1
+    finally:
+        held.release()  # a failure here must not hold the module's engine
     assert [alone1[0], *tokens] == alone1
     assert running.wait(300)
     assert_same(lm, ids0, alone0, running)
