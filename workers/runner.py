@@ -143,7 +143,9 @@ class GenerationRun:
             engine.Sampling(max_new_tokens=remaining, temperature=self.params.temperature),
             generated_ids=self.token_ids,
             grammar=constraints.compiled_grammar(lm, self.params),
-            hold_after_first=True,  # released once the first token is written
+            # On a CPU the next step would take the cores the first token's
+            # write needs (bench/README.md); on a GPU holding it would idle the device.
+            hold_after_first=lm.model.device.type == "cpu",
         )
         interval = settings.LMSP_FLUSH_INTERVAL_SECONDS
         stack, counted = ExitStack(), False
