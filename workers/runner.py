@@ -179,7 +179,8 @@ class GenerationRun:
                     due = due or (not self.events_flushed and bool(self.pending))
                 if due:
                     self._flush(detok)
-                generation.release()
+                if token_id is not None:  # a token handled (a poll is not): the batch steps on
+                    generation.release()
                 if self.stop is not None or self._past_deadline():
                     return
         finally:
