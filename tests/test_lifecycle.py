@@ -19,7 +19,9 @@ from responses_app.serializers import validate_response_request
 from responses_app.submit import prepare_generation, start_generation
 from tasks_app import lifecycle
 from tasks_app.models import Event, Task, TaskKind
+from tasks_app.notify import CANCEL_CHANNEL
 from workers import runner as runner_module
+from workers.cancellation import CancelWatch
 from workers.runner import run_task
 
 from .conftest import LONG_STORY, make_token, request_body, user_message
@@ -90,6 +92,10 @@ def test_an_announced_cancel_stops_the_run_before_its_next_flush(settings, broke
     longer than the whole generation, however slow its steps."""
     settings.LMSP_FLUSH_INTERVAL_SECONDS = 60
     monkeypatch.setattr(runner_module, "IDLE_FLUSH_SECONDS", 60)
+    # A watch of its own: the process's watch was started by earlier tests
+    # while no Redis ran here, and may be waiting out its reconnect back-off.
+    monkeypatch.setattr(runner_module, "cancel_watch", CancelWatch())
+    client, _ = broker
     task = new_task(input=[user_message(LONG_STORY)], max_output_tokens=400)
     ended: dict[str, str | None] = {}
 
@@ -102,7 +108,10 @@ def test_an_announced_cancel_stops_the_run_before_its_next_flush(settings, broke
     runner = threading.Thread(target=run)
     runner.start()
     deadline = time.monotonic() + 120
-    while not Event.objects.filter(task=task, type="response.output_text.delta").exists():
+    while not (
+        Event.objects.filter(task=task, type="response.output_text.delta").exists()
+        and dict(client.pubsub_numsub(CANCEL_CHANNEL))[CANCEL_CHANNEL.encode()]
+    ):  # decoding, and the watch subscribed: the announcement has a listener
         assert runner.is_alive() and time.monotonic() < deadline, "no first token"
         time.sleep(0.02)
     lifecycle.request_cancel(task.id)
