@@ -23,9 +23,8 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 
 import redis
-from django.conf import settings
 
-from lmsp_project.redis_client import REDIS_ERRORS
+from lmsp_project.redis_client import REDIS_ERRORS, redis_client
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +50,7 @@ def client() -> redis.Redis:
     """This process's Redis client for the numbers (2 s timeouts: never a hang).
     Recording is best effort and never fails the work it counts: its calls
     catch ``REDIS_ERRORS``."""
-    return _connect(settings.REDIS_URL)
-
-
-_clients: dict[str, redis.Redis] = {}
-
-
-def _connect(url: str) -> redis.Redis:
-    if url not in _clients:
-        _clients[url] = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
-    return _clients[url]
+    return redis_client()
 
 
 def histogram_key(name: str, model: str) -> str:
