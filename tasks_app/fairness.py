@@ -58,7 +58,7 @@ SELECT GREATEST(
 """
 
 
-def fair_key_for(owner: AbstractBaseUser, model: str, cost: int) -> int:
+def fair_key_for(owner: AbstractBaseUser, model: str) -> int:
     """The fair key of a new task of ``owner`` (whose row the caller has locked,
     so that the owner's tasks get keys one after the other)."""
     with connection.cursor() as cursor:

@@ -63,7 +63,7 @@ def create_task(
         created_at=now,
         enqueued_at=now,
         cost=cost,
-        fair_key=fairness.fair_key_for(owner, spec.id, cost),
+        fair_key=fairness.fair_key_for(owner, spec.id),
     )
     EventLog.append(task, [protocol.created_event(response_id)])
     task.save(update_fields=["last_event_id"])
