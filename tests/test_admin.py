@@ -459,19 +459,21 @@ def test_models_page_says_unknown_when_redis_is_down(admin_client, settings):
 
 
 def test_heartbeat_thread_beats_and_clears_its_keys(own_redis):
+    def beating_workers() -> list[str]:
+        return [b.worker for b in heartbeat.serving_workers().get("smollm2:135m", [])]
+
     beating = heartbeat.Heartbeat(["smollm2:135m"], "models-test@host")
     beating.start()
     try:
+        # The stack's model worker beats for the same model: wait for this one.
         for _ in range(50):
-            if "smollm2:135m" in heartbeat.serving_workers():
+            if "models-test@host" in beating_workers():
                 break
             time.sleep(0.1)
-        workers = [b.worker for b in heartbeat.serving_workers()["smollm2:135m"]]
-        assert "models-test@host" in workers
+        assert "models-test@host" in beating_workers()
     finally:
         beating.stop()
-    served = heartbeat.serving_workers().get("smollm2:135m", [])
-    assert "models-test@host" not in [b.worker for b in served]
+    assert "models-test@host" not in beating_workers()
 
 
 def models_row(admin_client, model_id: str) -> str:
