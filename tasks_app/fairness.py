@@ -36,13 +36,13 @@ from __future__ import annotations
 
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.db import connection
-from django.db.models import Q
+from django.db.models import OuterRef, Q, Subquery
 
 from lmsp_core.status import Status
 
 from . import quotas
 from .locking import locked_row
-from .models import ModelClock, QueuePosition, Task
+from .models import ModelClock, OwnerQuota, QueuePosition, Task
 
 LIVE = (Status.QUEUED, Status.IN_PROGRESS)
 FAIR_ORDER = ("fair_key", "created_at", "id")
@@ -67,25 +67,40 @@ def fair_key_for(owner: AbstractBaseUser, model: str) -> int:
         return cursor.fetchone()[0]
 
 
-def take_fairest(model: str) -> Task | None:
-    """Lock and return the queued task of ``model`` a free slot should take, or
-    None (nothing queued, or every waiting owner at its running quota).
-    Call inside the claiming transaction."""
-    clock = locked_row(ModelClock, model=model)
+def lock_clock(task_id: str) -> ModelClock | None:
+    """The clock of ``task_id``'s model, locked until the transaction ends: one
+    statement once the model has a clock. None when there is no such task."""
+    model_of = Task.objects.filter(id=task_id).values("model")
+    clock = ModelClock.objects.select_for_update().filter(model=Subquery(model_of)).first()
+    if clock is None:  # the model's first claim (or no such task)
+        model = model_of.values_list("model", flat=True).first()
+        clock = None if model is None else locked_row(ModelClock, model=model)
+    return clock
+
+
+def take_fairest(clock: ModelClock) -> Task | None:
+    """Lock and return the queued task of the (locked) ``clock``'s model a free
+    slot should take, with its response, or None (nothing queued, or every
+    waiting owner at its running quota). Call inside the claiming transaction."""
+    own_limit = OwnerQuota.objects.filter(owner_id=OuterRef("owner_id")).values("max_running")
     passed_over: set[int] = set()  # owners at their running quota
     while True:
         task = (
             # NO KEY UPDATE: rows only key-shared (an event or a position
             # being written for the task) are not skipped.
             Task.objects.select_for_update(skip_locked=True, no_key=True, of=("self",))
-            .filter(model=model, status=Status.QUEUED)
+            # Read in the same statement: what the run needs first, and
+            # whether the owner has a running limit of its own to check.
+            .select_related("response")
+            .annotate(own_max_running=Subquery(own_limit))
+            .filter(model=clock.model, status=Status.QUEUED)
             .exclude(owner_id__in=passed_over)
             .order_by(*FAIR_ORDER)
             .first()
         )
         if task is None:
             return None
-        if quotas.may_start(task.owner_id):
+        if quotas.may_start(task.owner_id, task.own_max_running):
             break
         passed_over.add(task.owner_id)
     if task.fair_key > clock.virtual_time:
@@ -138,8 +153,10 @@ def queue_position_of(task_id: str) -> int | None:
 
 
 def forget_position(task_id: str) -> None:
-    """The task leaves the queue (claimed) or enters it again (re-queued): its
-    next stay reports positions afresh."""
+    """The task enters the queue again (re-queued) or ends: its next stay
+    reports positions afresh. A claim leaves the row in place (positions are
+    reported only while queued) to keep the claim, on the way to the first
+    token, one statement shorter."""
     QueuePosition.objects.filter(task_id=task_id).delete()
 
 

@@ -96,10 +96,10 @@ def claim(task_id: str, worker: str) -> Task | None:
     some message, and the order is decided here, not by the broker. Safe to
     call from many threads, processes and machines at once.
     """
-    model = Task.objects.filter(id=task_id).values_list("model", flat=True).first()
-    if model is None:
+    clock = fairness.lock_clock(task_id)
+    if clock is None:
         return None
-    task = fairness.take_fairest(model)
+    task = fairness.take_fairest(clock)
     if task is None:
         return None
     now = timezone.now()
@@ -109,7 +109,6 @@ def claim(task_id: str, worker: str) -> Task | None:
     task.started_at = task.started_at or now
     task.lease_expires_at = _lease_deadline()
     task.save(update_fields=["status", "attempt", "worker", "started_at", "lease_expires_at"])
-    fairness.forget_position(task.id)
     return task
 
 
@@ -239,6 +238,7 @@ def _finalize(task: Task, events: list[tuple[str, dict]], outcome: Outcome) -> N
     task.checkpoint = None
     task.save()
     TokenChunk.objects.filter(task=task).delete()
+    fairness.forget_position(task.id)
     task_finished.send(sender=Task, task=task, outcome=outcome)
     UsageRecord.objects.filter(response_id=task.response_id).update(
         status=outcome.status, output_tokens=outcome.output_tokens, completed_at=now

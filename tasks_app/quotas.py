@@ -1,7 +1,8 @@
 """Per-owner quotas: generations at once, tasks waiting, output tokens a minute.
 
 Counting is race-free because every submit of an owner, and every claim that
-checks the owner's running limit, first locks the owner's ``OwnerQuota`` row
+checks the owner's running limit (an owner without one is not counted),
+first locks the owner's ``OwnerQuota`` row
 (``lock_owner``) and counts inside that transaction: of two requests at once,
 the second counts after the first has committed its task. Past the queued
 or token quota a submit is refused with ``429 rate_limited`` and a
@@ -68,9 +69,16 @@ def queued(owner_id: int) -> int:
     return Task.objects.filter(owner_id=owner_id, status=Status.QUEUED).count()
 
 
-def may_start(owner_id: int) -> bool:
-    """Whether one more of the owner's tasks may start now (locks the owner's row;
-    call inside the claiming transaction)."""
+def may_start(owner_id: int, own_max_running: int | None) -> bool:
+    """Whether one more of the owner's tasks may start now; ``own_max_running``
+    is the owner's own limit as the claim read it with the task (None: the
+    default). Without a limit nothing is counted or locked; with one, the
+    owner's row is locked and the limit read again under the lock (call
+    inside the claiming transaction)."""
+    if own_max_running is None:
+        own_max_running = settings.LMSP_QUOTA_MAX_RUNNING
+    if own_max_running == 0:
+        return True
     limit = limits_of(lock_owner(owner_id)).max_running
     return limit == 0 or running(owner_id) < limit
 

@@ -54,7 +54,7 @@ def create_task(
     fair keys one at a time."""
     now = timezone.now()
     cost = max(1, cost)
-    task = Task.objects.create(
+    task = Task(
         id=new_id("task"),
         owner=owner,
         kind=kind,
@@ -65,8 +65,10 @@ def create_task(
         cost=cost,
         fair_key=fairness.fair_key_for(owner, spec.id),
     )
+    # Numbered before the task row is written, so that one INSERT stores the
+    # task with its last_event_id (the event's foreign key is checked at commit).
     EventLog.append(task, [protocol.created_event(response_id)])
-    task.save(update_fields=["last_event_id"])
+    task.save(force_insert=True)
     UsageRecord.objects.create(
         response_id=response_id,
         owner=owner,
