@@ -15,7 +15,9 @@ both as problem documents (or, under a path prefix given a shape of its
 own, such as OpenAI's error object under ``/v1/``), with ``Connection: close`` (the unread rest of
 the body cannot be skipped). A body that keeps to both is handed to Django
 as one message; later ``receive`` calls (a client's disconnect during a
-stream) pass through.
+stream) pass through. The views served outside Django's request handler
+(``lmsp_core.lean``) have their bodies read by the same code
+(``BoundedBody.read``), so that both answer alike.
 """
 
 from __future__ import annotations
@@ -80,6 +82,15 @@ class BoundedBody:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        body = await self.read(scope, receive, send)
+        if body is not None:
+            await self.app(scope, replayed(body, receive), send)
+
+    async def read(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+        """The whole body of an HTTP request; None when it was refused (and
+        answered here) or the client left before sending it. Public, so that
+        the views ``lmsp_core.lean`` serves have their bodies bounded by the
+        same code as Django's."""
         path = scope.get("path", "")
         shape = next((s for prefix, s in self.shapes.items() if path.startswith(prefix)), None)
         limit = settings.LMSP_MAX_BODY_BYTES
@@ -87,7 +98,7 @@ class BoundedBody:
         for name, value in scope.get("headers", []):
             if name == b"content-length" and _DIGITS.fullmatch(value) and int(value) > limit:
                 await _answer(send, "payload_too_large", _too_large_detail(limit), shape)
-                return
+                return None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         chunks: list[bytes] = []
@@ -102,25 +113,29 @@ class BoundedBody:
                     f"The request body did not arrive within {timeout:g} seconds.",
                     shape,
                 )
-                return
+                return None
             if message["type"] == "http.disconnect":
-                return  # the client left before sending its body: nobody to answer
+                return None  # the client left before sending its body: nobody to answer
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
                 await _answer(send, "payload_too_large", _too_large_detail(limit), shape)
-                return
+                return None
             chunks.append(chunk)
             if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        delivered = False
+                return b"".join(chunks)
 
-        async def replay() -> Message:
-            nonlocal delivered
-            if delivered:
-                return await receive()
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
 
-        await self.app(scope, replay, send)
+def replayed(body: bytes, receive: Receive) -> Receive:
+    """``receive`` for an application after ``body`` was read from it: the
+    body as one message, then what the client sends (its disconnect)."""
+    delivered = False
+
+    async def replay() -> Message:
+        nonlocal delivered
+        if delivered:
+            return await receive()
+        delivered = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
