@@ -66,5 +66,5 @@ def __getattr__(name: str):  # noqa: ANN202 - built once Django is set up
         from lmsp_core.lean import LeanViews
 
         django_app = get_asgi_application()
-        return LeanViews(django_app, django_app, [_django_view])
+        return LeanViews(django_app, django_app, {_django_view: "GET"})
     raise AttributeError(name)

@@ -1,48 +1,65 @@
 """Chosen async views served without Django's per-request machinery.
 
-Thousands of clients hold event streams open on one web process (README,
-"Event streams at scale"). Under Django's ASGI handler each of them cost
-about 28 KiB of RSS while it waited and over 2 ms of CPU to connect before
-any line of the view ran (``bench/README.md``, bench_fanout.py): every
-request gets a thread of its own (asgiref's ``ThreadSensitiveContext``),
-every hook of every ``MiddlewareMixin`` middleware is a hop to that thread
-and back, two more asyncio tasks watch the request while it is answered,
-and the response with its headers and three wrappers of its iterator stay
-alive as long as the stream.
+Under Django's ASGI handler every request gets a thread of its own
+(asgiref's ``ThreadSensitiveContext``), every hook of every
+``MiddlewareMixin`` middleware is a hop to that thread and back (with the
+request signals and the response's ``close()``, 21 hops around a view of
+this project), two more asyncio tasks watch the request while it is
+answered, and a streamed response with its headers and three wrappers of
+its iterator stays alive as long as the stream. That weighs on
+
+- follower streams, which one web process holds open by the thousand
+  (README, "Event streams at scale"): each cost about 28 KiB of RSS while
+  it waited and over 2 ms of CPU to connect before any line of the view ran
+  (``bench/README.md``, bench_fanout.py);
+- direct responses (``POST /lmsp/v1/responses``): the hops before the view
+  submits the generation are on the path to its first token, and on a busy
+  event loop each waits its turn (bench_concurrency.py). In-process, a
+  request answered 401 took 3.4 ms through Django's handler, 0.6 ms here.
 
 ``LeanViews`` sits in front of Django (``lmsp_project/asgi.py``) and serves
-the views it is given itself, on the event loop, with the same parts Django
-would use, so that the answers are Django's to the byte
-(``tests/test_lean_streams_e2e.py``): the URL resolver, an ``ASGIRequest``,
-the project's middleware (``settings.MIDDLEWARE``, in its order: the hooks
-of ``MiddlewareMixin`` middleware are called directly, async-capable
-middleware functions are chained as they are), the view, the exception
-handling of ``process_exception`` and ``response_for_exception``,
+the views it is given, each for one method, itself, on the event loop, with
+the same parts Django would use, so that the answers are Django's to the
+byte (``tests/test_lean_streams_e2e.py``): the URL resolver, an
+``ASGIRequest``, the project's middleware (``settings.MIDDLEWARE``, in its
+order: the hooks of ``MiddlewareMixin`` middleware are called directly,
+async-capable middleware functions are chained as they are), the view, the
+exception handling of ``process_exception`` and ``response_for_exception``,
 ``log_response`` for 4xx and 5xx, and ``send_response``'s messages. A
 waiting stream holds its iterator and one task that listens for the
 client's disconnect, which ends the stream at once, as under Django.
 
+A request with a body has it read by ``BoundedBody.read``, the code that
+reads it for Django, so the body limit and the upload timeout answer alike
+(413, 408). Its view runs in a task of its own while the request's task
+listens for the client's disconnect, as Django's handler does; when the
+client leaves first, the view's task is cancelled and awaited, so that a
+synchronous direct response cancels its generation.
+
 Whatever it cannot answer exactly as Django would goes to Django (the
-``app`` given) unchanged, before anything was sent or any view ran: other
-methods than GET, requests with a body, paths that resolve to other views,
-requests Django cannot parse, and requests that a middleware's
-``process_request`` answers or refuses itself (a bad ``Host``, an
-unsupported ``LMSP-Version``).
+``app`` given) unchanged, before anything was sent or any view ran (with
+the body as it was read): other methods than a view's own, paths that
+resolve to other views, requests Django cannot parse, and requests that a
+middleware's ``process_request`` answers or refuses itself (a bad ``Host``,
+an unsupported ``LMSP-Version``).
 
 What it leaves out, so what a view served here must not need: the
-``request_started`` / ``request_finished`` signals (which close the database
-connections of the request's thread: a view served here touches the
-database only asynchronously or from worker threads,
-``lmsp_core.http.db_call``), a thread per request (``sync_to_async`` with
-``thread_sensitive=True`` would share one thread among all requests),
-``ATOMIC_REQUESTS`` and template responses.
+``request_started`` / ``request_finished`` signals and the response's
+``close()`` (which close the database connections of the request's thread:
+a view served here touches the database only asynchronously or from worker
+threads, ``lmsp_core.http.db_call``), a thread per request
+(``sync_to_async`` with ``thread_sensitive=True`` would share one thread
+among all requests), ``ATOMIC_REQUESTS``, template responses, and for a
+request without a body (a follower's: a query or two before its stream)
+the cancellation of its view when the client leaves meanwhile: its stream
+ends at once instead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from contextlib import aclosing
 
 from django.conf import settings
@@ -54,7 +71,7 @@ from django.utils.deprecation import MiddlewareMixin
 from django.utils.log import log_response
 from django.utils.module_loading import import_string
 
-from .asgi import ASGIApp, Receive, Scope, Send
+from .asgi import BoundedBody, Receive, Scope, Send, replayed
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponseBase]]
 
@@ -66,34 +83,46 @@ class _Declined(BaseException):
 
 
 class LeanViews:
-    """ASGI application: GET requests without a body that resolve to one of
-    ``views`` are answered here; everything else goes to ``app``.
+    """ASGI application: requests that resolve to one of ``views`` with the
+    method it is given for are answered here; everything else goes to ``app``.
 
-    ``app`` is the whole application for the other requests (Django behind
-    ``lmsp_core.asgi.BoundedBody``: a request without a body has nothing for
-    it to bound); ``django`` is Django's own handler, whose
+    ``app`` is the whole application for the other requests: Django behind
+    ``lmsp_core.asgi.BoundedBody``, whose ``read`` bounds the bodies of the
+    requests answered here too. ``django`` is Django's own handler, whose
     ``send_response`` writes the answers that are not streams.
     """
 
-    def __init__(self, app: ASGIApp, django: ASGIHandler, views: Collection[Callable]) -> None:
+    def __init__(
+        self, app: BoundedBody, django: ASGIHandler, views: Mapping[Callable, str]
+    ) -> None:
         self.app = app
         self.django = django
-        self.views = frozenset(views)
+        self.views = dict(views)
+        self.methods = frozenset(views.values())
         self._chain: Handler | None = None
         self._view_hooks: list[Callable] = []
         self._exception_hooks: list[Callable] = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        view = self._view_of(scope)
-        if view is None:
+        match = self._view_of(scope)
+        if match is None:
             await self.app(scope, receive, send)
             return
+        with_body = _has_body(scope)
+        body = await self.app.read(scope, receive, send) if with_body else b""
+        if body is None:
+            return  # refused (413, 408) and answered, or the client left before its body
         try:
-            response = await self._respond(scope, view)
-        except _Declined:
-            await self.app(scope, receive, send)
+            if with_body:
+                response = await _unless_left(self._respond(scope, match, body), receive)
+            else:
+                response = await self._respond(scope, match, body)
+        except _Declined:  # the body, if any, as it was read here; else still the client's
+            await self.app(scope, replayed(body, receive) if with_body else receive, send)
             return
-        del view
+        del match
+        if response is None:
+            return  # the client left while its view ran, which was cancelled
         if response.streaming and response.is_async:
             stream = _Stream(response)
             del response  # a waiting stream holds only its iterator
@@ -102,28 +131,25 @@ class LeanViews:
             await self.django.send_response(response, send)
 
     def _view_of(self, scope: Scope) -> ResolverMatch | None:
-        """The resolved view when it is one of ours and the request one we
-        answer, else None."""
-        if scope["type"] != "http" or scope["method"] != "GET":
+        """The resolved view when it is one of ours for the request's method,
+        else None."""
+        if scope["type"] != "http" or scope["method"] not in self.methods:
             return None
-        for name, value in scope["headers"]:
-            if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
-                return None  # a body: Django reads and bounds it
         script_name = get_script_prefix(scope)
         path_info = scope["path"].removeprefix(script_name) if script_name else scope["path"]
         try:
             match = resolve(path_info)
         except Resolver404:
             return None
-        return match if match.func in self.views else None
+        return match if self.views.get(match.func) == scope["method"] else None
 
-    async def _respond(self, scope: Scope, match: ResolverMatch) -> HttpResponseBase:
+    async def _respond(self, scope: Scope, match: ResolverMatch, body: bytes) -> HttpResponseBase:
         """Django's ``get_response_async`` for a resolved request."""
         script_name = get_script_prefix(scope)
         if script_name:  # unset, reverse() uses the default, "/", as Django would set it
             set_script_prefix(script_name)
         try:
-            request = ASGIRequest(scope, io.BytesIO())
+            request = ASGIRequest(scope, io.BytesIO(body))
         except Exception as exc:  # a query string that is not UTF-8: Django's own 400
             raise _Declined from exc
         request.resolver_match = match
@@ -207,6 +233,48 @@ def _converted(handler: Handler) -> Handler:
             return response_for_exception(request, exc)
 
     return layer
+
+
+def _has_body(scope: Scope) -> bool:
+    """Whether the request announces a body: without ``Content-Length`` or
+    ``Transfer-Encoding`` it has none (RFC 9112, 6.3)."""
+    for name, value in scope["headers"]:
+        if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
+            return True
+    return False
+
+
+async def _unless_left(
+    respond: Coroutine[None, None, HttpResponseBase], receive: Receive
+) -> HttpResponseBase | None:
+    """The response, or None when the client leaves before it: ``respond``
+    is then cancelled and awaited, as Django's handler cancels and awaits the
+    request's task, so that a view waiting for a whole generation (a
+    synchronous direct response) cancels it."""
+    loop = asyncio.get_running_loop()
+    view = loop.create_task(respond)
+    left = loop.create_task(_disconnect(receive))
+    try:
+        await asyncio.wait((view, left), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        view.cancel()
+        left.cancel()
+        raise
+    left.cancel()
+    if not view.done():
+        view.cancel()
+    try:
+        return await view
+    except asyncio.CancelledError:
+        if not view.cancelled() or asyncio.current_task().cancelling():
+            raise
+        return None
+
+
+async def _disconnect(receive: Receive) -> None:
+    """Returns when the client has left (the body was read before)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class _Stream:

@@ -2,11 +2,13 @@
 (``lmsp_core.asgi.BoundedBody``), which act before Django reads a byte and
 answer in the shape of the API the path belongs to.
 
-In front of both, the views that follow a task's or a background response's
-events are served without Django's per-request machinery
-(``lmsp_core.lean.LeanViews``: same resolver, middleware, views and answers,
-no thread per request), so that a web process holds thousands of them;
-``LMSP_LEAN_STREAMS=0`` hands them to Django's handler like every other view.
+In front of both, a few async views are served without Django's per-request
+machinery (``lmsp_core.lean.LeanViews``: same resolver, middleware, views and
+answers, the same bounded body, no thread per request): the views that follow
+a task's or a background response's events, so that a web process holds
+thousands of them, and direct responses, whose first token would wait for
+Django's handler. ``LMSP_LEAN_STREAMS=0`` hands them to Django's handler like
+every other view.
 """
 
 import gc
@@ -24,16 +26,20 @@ from lmsp_core.asgi import BoundedBody  # noqa: E402 - needs the settings config
 from lmsp_core.lean import LeanViews  # noqa: E402
 from openai_app import views as openai_views  # noqa: E402
 from openai_app.errors import error_body  # noqa: E402
+from responses_app import views as response_views  # noqa: E402
 from tasks_app import views as task_views  # noqa: E402
 
-# The follower streams: GET /lmsp/v1/tasks/{id}/events, GET /v1/responses/{id}.
-FOLLOWER_VIEWS = (task_views.task_events, openai_views.response_detail)
+LEAN_VIEWS = {
+    # The follower streams: thousands wait at once.
+    task_views.task_events: "GET",  # /lmsp/v1/tasks/{id}/events
+    openai_views.response_detail: "GET",  # /v1/responses/{id}
+    # Direct responses: the handler's thread hops came before the first token.
+    response_views.create_response: "POST",  # /lmsp/v1/responses
+}
 
 bounded = BoundedBody(django_application, shapes={"/v1/": error_body})
 application = (
-    LeanViews(bounded, django_application, FOLLOWER_VIEWS)
-    if settings.LMSP_LEAN_STREAMS
-    else bounded
+    LeanViews(bounded, django_application, LEAN_VIEWS) if settings.LMSP_LEAN_STREAMS else bounded
 )
 
 # What is loaded by now (Django, the apps and what they import: about 150,000

@@ -1,13 +1,17 @@
-"""Follower streams served outside Django's request handler (``lmsp_core.lean``)
-answer exactly as Django's handler does: every status the follower endpoints
-give, compared byte for byte (the ``date`` header aside) with a web process
-that runs them through Django (``LMSP_LEAN_STREAMS=0``), on the same database
-and Redis. The other stream tests go through the lean path too: the stack's
-web process serves it by default, as ``test_the_service_serves_followers_lean``
-shows."""
+"""Views served outside Django's request handler (``lmsp_core.lean``: follower
+streams and direct responses) answer exactly as Django's handler does: every
+status those endpoints give, compared byte for byte (the ``date`` header
+aside; for generations, their ids, times and keep-alives too) with a web
+process that runs them through Django (``LMSP_LEAN_STREAMS=0``), on the same
+database and Redis. The other stream, response, body limit and disconnect
+tests go through the lean path too: the stack's web process serves it by
+default, as ``test_the_service_serves_its_views_lean`` shows."""
 
 from __future__ import annotations
 
+import json
+import re
+import select
 import socket
 import time
 from datetime import timedelta
@@ -44,11 +48,13 @@ def _scope(method: str, path: str, headers: list[tuple[bytes, bytes]] | None = N
     }
 
 
-def test_the_service_serves_followers_lean():
+def test_the_service_serves_its_views_lean():
     """The application the web process runs (the stack's, the Procfile's) answers
-    the follower endpoints itself, and hands everything else to Django."""
+    the follower endpoints and direct responses itself, with or without a body,
+    and hands everything else to Django."""
     from lmsp_project.asgi import application
     from openai_app.views import response_detail
+    from responses_app.views import create_response
     from tasks_app.views import task_events
 
     assert isinstance(application, LeanViews)
@@ -58,11 +64,16 @@ def test_the_service_serves_followers_lean():
     assert found.route == "lmsp/v1/tasks/<str:task_id>/events"
     answer = application._view_of(_scope("GET", "/v1/responses/resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF"))
     assert answer is not None and answer.func is response_detail
+    for body in ([(b"content-length", b"3")], [(b"transfer-encoding", b"chunked")]):
+        found = application._view_of(_scope("POST", "/lmsp/v1/responses", body))
+        assert found is not None and found.func is create_response
+        found = application._view_of(_scope("GET", f"/lmsp/v1/tasks/{task}/events", body))
+        assert found is not None and found.func is task_events
     for scope in (
         _scope("POST", f"/lmsp/v1/tasks/{task}/events"),
         _scope("HEAD", f"/lmsp/v1/tasks/{task}/events"),
-        _scope("GET", f"/lmsp/v1/tasks/{task}/events", [(b"content-length", b"3")]),
-        _scope("GET", f"/lmsp/v1/tasks/{task}/events", [(b"transfer-encoding", b"chunked")]),
+        _scope("GET", "/lmsp/v1/responses"),
+        _scope("POST", "/v1/responses"),
         _scope("GET", f"/lmsp/v1/tasks/{task}"),
         _scope("GET", "/lmsp/v1/models"),
         _scope("GET", "/lmsp/v1/nothing/here"),
@@ -96,19 +107,21 @@ def twins(stack):
 
 
 def _request(
-    port: int, path: str, headers: dict[str, str | bytes], method: str = "GET"
+    port: int, path: str, headers: dict[str, str | bytes], method: str = "GET", body: bytes = b""
 ) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
     lines = [f"{method} {path} HTTP/1.1".encode()]
     for name, text in {"Host": "127.0.0.1", **headers}.items():
         lines.append(name.encode() + b": " + (text if isinstance(text, bytes) else text.encode()))
-    sock.sendall(b"\r\n".join(lines) + b"\r\n\r\n")
+    sock.sendall(b"\r\n".join(lines) + b"\r\n\r\n" + body)
     return sock
 
 
-def _exchange(port: int, path: str, headers: dict[str, str | bytes], method: str = "GET") -> bytes:
+def _exchange(
+    port: int, path: str, headers: dict[str, str | bytes], method: str = "GET", body: bytes = b""
+) -> bytes:
     """The whole answer, as bytes on the wire, less its ``date`` line."""
-    sock = _request(port, path, {**headers, "Connection": "close"}, method)
+    sock = _request(port, path, {**headers, "Connection": "close"}, method, body)
     raw = b""
     while chunk := sock.recv(65536):
         raw += chunk
@@ -130,8 +143,10 @@ def _held(port: int, path: str, token: str) -> tuple[socket.socket, bytes, bytes
     return sock, b"\r\n".join(lines), body
 
 
-def _same(twins, path: str, headers: dict[str, str | bytes], method: str = "GET") -> bytes:
-    lean, django = (_exchange(port, path, headers, method) for port in twins)
+def _same(
+    twins, path: str, headers: dict[str, str | bytes], method: str = "GET", body: bytes = b""
+) -> bytes:
+    lean, django = (_exchange(port, path, headers, method, body) for port in twins)
     assert lean == django, path
     return lean
 
@@ -276,3 +291,92 @@ def test_follower_requests_are_counted_in_metrics(twins, api, token, stack):
     while value(scrape(stack, metrics), "lmsp_http_requests_total", **labels) < before + 1:
         assert time.monotonic() < deadline, "the lean path's request was not counted"
         time.sleep(0.2)
+
+
+# --- direct responses: POST /lmsp/v1/responses ----------------------------------------
+
+RESPONSES = "/lmsp/v1/responses"
+_IDS = re.compile(rb"\b(resp|msg|fc|call|rs|task)_[0-9A-HJKMNP-TV-Z]{26}\b")
+_TIMES = re.compile(rb'"(created_at|started_at|completed_at)": ?[0-9]+')
+_COMMENTS = re.compile(rb"^:[^\n]*\n\n", re.M)
+
+
+def _posted(body: object, **headers: str) -> tuple[dict[str, str], bytes]:
+    """Headers and bytes of a JSON body (any object, or bytes as they are)."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return {"Content-Type": "application/json", **headers, "Content-Length": str(len(raw))}, raw
+
+
+def _generated(raw: bytes) -> bytes:
+    """An answer less what differs from one generation to the next: its ids and
+    times, and for a stream its chunks' framing and keep-alives (when they come
+    depends on the worker's timing)."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" in head.lower():
+        parts = []
+        while body:
+            size, _, body = body.partition(b"\r\n")
+            parts.append(body[: int(size, 16)])
+            body = body[int(size, 16) + 2 :]
+        body = _COMMENTS.sub(b"", b"".join(parts))
+    return _TIMES.sub(rb'"\1": 0', _IDS.sub(rb"\1_ID", head + b"\r\n\r\n" + body))
+
+
+def test_direct_responses_are_byte_for_byte_those_of_django(twins, token):
+    auth = {"Authorization": f"Bearer {token}"}
+    generation = request_body(max_output_tokens=6)
+    for stream in (False, True):
+        headers, body = _posted({**generation, "stream": stream}, **auth)
+        lean, django = (_exchange(port, RESPONSES, headers, "POST", body) for port in twins)
+        assert _status(lean) == 200, lean
+        assert _generated(lean) == _generated(django), stream
+        assert (b"content-type: text/event-stream" in lean) is stream, lean
+    limit = 1_000_000  # LMSP_MAX_BODY_BYTES
+    cases = [
+        (*_posted(generation), 401),
+        (*_posted(generation, Authorization="Bearer nonsense"), 401),
+        (*_posted(generation, Authorization=f"Bearer {make_token('dave', ['models:read'])}"), 403),
+        (*_posted(b"{not json", **auth), 400),
+        (*_posted({**generation, "temperature": "hot"}, **auth), 400),
+        (*_posted({**generation, "model": "no-such-model"}, **auth), 404),
+        (*_posted(generation, **auth, **{"Idempotency-Key": "k" * 256}), 400),
+        (*_posted(generation, **auth, **{"Content-Type": "text/plain"}), 400),
+        ({**auth, "Content-Length": "0"}, b"", 400),
+        ({**auth, "Content-Length": str(10 * limit)}, b"", 413),  # before any byte of it
+        ({**auth, "Content-Length": "100"}, b'{"model":', 408),  # 4 s on the test stack
+        (*_posted(generation, **auth, **{"LMSP-Version": "2.0"}), 400),  # Django's, body and all
+        (*_posted(generation, **auth, Host="evil.example"), 400),
+    ]
+    for headers, body, status in cases:
+        assert _status(_same(twins, RESPONSES, headers, "POST", body)) == status, headers
+    assert _status(_same(twins, RESPONSES, auth)) == 405  # GET: Django's in both
+    chunked = {**auth, "Content-Type": "application/json", "Transfer-Encoding": "chunked"}
+    piece = b"x" * 32_768
+    assert _status(_same(twins, RESPONSES, chunked, "POST", _chunks(piece, 3))) == 400
+    overflow = [_overflowing(port, chunked, piece) for port in twins]
+    assert overflow[0] == overflow[1] and _status(overflow[0]) == 413, overflow
+
+
+def _chunks(piece: bytes, count: int) -> bytes:
+    """``count`` chunks of ``piece``, and the last one, in chunked transfer coding."""
+    return b"%x\r\n%s\r\n" % (len(piece), piece) * count + b"0\r\n\r\n"
+
+
+def _overflowing(port: int, headers: dict[str, str | bytes], piece: bytes) -> bytes:
+    """The answer to chunks of ``piece`` sent until one comes (413 past the
+    limit, before the upload ends), less its ``date`` line."""
+    sock = _request(port, RESPONSES, {**headers, "Connection": "close"}, "POST")
+    raw = b""
+    with sock:
+        for _ in range(200):
+            try:
+                sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if select.select([sock], [], [], 0.02)[0]:
+                break
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(b"date:")]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
