@@ -28,16 +28,23 @@ class StoredEvent:
 
 class EventLog:
     @staticmethod
-    def append(task: Task, events: list[tuple[str, dict]]) -> list[StoredEvent]:
+    def append(
+        task: Task, events: list[tuple[str, dict]], *, new_task: bool = False
+    ) -> list[StoredEvent]:
         """Number and store ``events`` after the task's last one.
 
         ``task`` must be locked (``select_for_update``) in the current
         transaction; the caller saves it (``last_event_id`` included).
+        ``new_task``: the task is created in this transaction, so no reader
+        can follow it yet and nothing is published (a Redis round trip on
+        every submit, and a message every web process would read for nobody).
         """
-        return EventLog.append_many([(task, events)])[0]
+        return EventLog.append_many([(task, events)], announce=not new_task)[0]
 
     @staticmethod
-    def append_many(appends: list[tuple[Task, list[tuple[str, dict]]]]) -> list[list[StoredEvent]]:
+    def append_many(
+        appends: list[tuple[Task, list[tuple[str, dict]]]], announce: bool = True
+    ) -> list[list[StoredEvent]]:
         """``append`` for several tasks in one INSERT: a worker's runs flushed
         together (``tasks_app.lifecycle.record_progress_many``)."""
         if not any(events for _, events in appends):
@@ -59,7 +66,8 @@ class EventLog:
                 for e in stored
             )
             task.last_event_id = stored[-1].id
-            _publish_on_commit(task.id, stored)
+            if announce:
+                _publish_on_commit(task.id, stored)
         Event.objects.bulk_create(rows)
         return stored_per_task
 
