@@ -104,11 +104,11 @@ def start_generation(owner: AbstractBaseUser, prepared: PreparedGeneration, kind
     """Store the response and the task that generates it, in one transaction,
     which first locks the owner's row and checks its quotas (429), then the
     model's queue (503)."""
-    services.admit(owner)
-    services.check_capacity(prepared.spec)
+    admission = services.admit(owner, prepared.spec)
     response = records.create(owner, prepared)
     return services.create_task(
         owner,
+        admission,
         response.id,
         prepared.spec,
         prepared.input_tokens,

@@ -34,7 +34,6 @@ starts afresh when a task is queued again (a lost worker, a re-queue).
 
 from __future__ import annotations
 
-from django.contrib.auth.base_user import AbstractBaseUser
 from django.db import connection
 from django.db.models import OuterRef, Q, Subquery
 
@@ -48,23 +47,18 @@ LIVE = (Status.QUEUED, Status.IN_PROGRESS)
 FAIR_ORDER = ("fair_key", "created_at", "id")
 
 
-# The clock, or the end of the owner's live tasks of the model if later.
+# The fair key of a new task of %(owner)s for %(model)s, as a SELECT
+# expression: the clock, or the end of the owner's live tasks of the model if
+# later. Read under the owner's lock (``tasks_app.services.admit``), so that
+# the owner's tasks get keys one after the other.
 FAIR_KEY_SQL = """
-SELECT GREATEST(
+GREATEST(
     (SELECT virtual_time FROM tasks_app_modelclock WHERE model = %(model)s),
     (SELECT max(fair_key + cost) FROM tasks_app_task
       WHERE owner_id = %(owner)s AND model = %(model)s AND status = ANY(%(live)s)),
     0)
 """
-
-
-def fair_key_for(owner: AbstractBaseUser, model: str) -> int:
-    """The fair key of a new task of ``owner`` (whose row the caller has locked,
-    so that the owner's tasks get keys one after the other)."""
-    with connection.cursor() as cursor:
-        live = [status.value for status in LIVE]
-        cursor.execute(FAIR_KEY_SQL, {"model": model, "owner": owner.pk, "live": live})
-        return cursor.fetchone()[0]
+LIVE_VALUES = [status.value for status in LIVE]
 
 
 def lock_clock(task_id: str) -> ModelClock | None:

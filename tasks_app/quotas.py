@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
-from django.contrib.auth.base_user import AbstractBaseUser
 from django.utils import timezone
 
 from lmsp_core.errors import ProblemError
@@ -65,10 +64,6 @@ def running(owner_id: int) -> int:
     return Task.objects.filter(owner_id=owner_id, status=Status.IN_PROGRESS).count()
 
 
-def queued(owner_id: int) -> int:
-    return Task.objects.filter(owner_id=owner_id, status=Status.QUEUED).count()
-
-
 def may_start(owner_id: int, own_max_running: int | None) -> bool:
     """Whether one more of the owner's tasks may start now; ``own_max_running``
     is the owner's own limit as the claim read it with the task (None: the
@@ -113,22 +108,20 @@ def _token_retry_after(owner_id: int, limit: int) -> int | None:
     return None if total < limit else math.ceil(TOKEN_WINDOW.total_seconds())
 
 
-def admit(owner: AbstractBaseUser) -> None:
-    """Lock the owner's row for this (submit) transaction and refuse a request
-    past the owner's queued-task or output-token quota with 429."""
-    limits = limits_of(lock_owner(owner.pk))
-    if limits.max_queued:
-        waiting = queued(owner.pk)
-        if waiting >= limits.max_queued:
-            raise _rate_limited(
-                f"{waiting} of your tasks are already waiting (your quota is "
-                f"{limits.max_queued}); try again once some have started.",
-                settings.LMSP_QUOTA_RETRY_AFTER_SECONDS,
-                "max_queued",
-                limits.max_queued,
-            )
+def admit(owner_id: int, limits: Limits, waiting: int) -> None:
+    """Refuse a request past the owner's queued-task or output-token quota
+    with 429. Call in the submit's transaction, with the owner's row locked
+    (``lock_owner``) and ``waiting``, its queued tasks, counted after."""
+    if limits.max_queued and waiting >= limits.max_queued:
+        raise _rate_limited(
+            f"{waiting} of your tasks are already waiting (your quota is "
+            f"{limits.max_queued}); try again once some have started.",
+            settings.LMSP_QUOTA_RETRY_AFTER_SECONDS,
+            "max_queued",
+            limits.max_queued,
+        )
     if limits.output_tokens_per_minute:
-        retry_after = _token_retry_after(owner.pk, limits.output_tokens_per_minute)
+        retry_after = _token_retry_after(owner_id, limits.output_tokens_per_minute)
         if retry_after is not None:
             raise _rate_limited(
                 f"You were sent {limits.output_tokens_per_minute} or more output tokens in "

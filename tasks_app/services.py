@@ -1,12 +1,13 @@
-"""Writes that start and stop tasks, and the admission checks before them:
-``admit`` (the owner's quotas, 429) and ``check_capacity`` (the model's
-whole queue, 503)."""
+"""Writes that start and stop tasks, and the admission check before them:
+``admit`` (the owner's quotas, 429, and the model's whole queue, 503)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from django.conf import settings
 from django.contrib.auth.base_user import AbstractBaseUser
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from generation.registry import ModelSpec
@@ -19,27 +20,53 @@ from . import fairness, lifecycle, quotas
 from .event_log import EventLog
 from .models import Task, UsageRecord
 
+# What a submit reads once the owner's row is locked, in one statement: the
+# owner's queued tasks (its quota), the model's (its capacity) and the new
+# task's fair key.
+ADMISSION_SQL = f"""
+SELECT (SELECT count(*) FROM tasks_app_task WHERE owner_id = %(owner)s AND status = %(queued)s),
+       (SELECT count(*) FROM tasks_app_task WHERE model = %(model)s AND status = %(queued)s),
+       {fairness.FAIR_KEY_SQL}
+"""
 
-def admit(owner: AbstractBaseUser) -> None:
-    """Lock the owner's row for the rest of the submit transaction and refuse a
-    request past the owner's quotas (429 rate_limited, see ``quotas``)."""
-    quotas.admit(owner)
+
+@dataclass(frozen=True)
+class Admission:
+    """A submit let in (``admit``): the fair key its task gets."""
+
+    fair_key: int
 
 
-def check_capacity(spec: ModelSpec) -> None:
-    """Refuse new work for a model whose queue is full (503 overloaded)."""
-    queued = Task.objects.filter(model=spec.id, status=Status.QUEUED).count()
-    if queued >= settings.LMSP_MAX_QUEUED_PER_MODEL:
+def admit(owner: AbstractBaseUser, spec: ModelSpec) -> Admission:
+    """Lock the owner's row for the rest of the submit transaction, then refuse
+    a request past the owner's quotas (429 rate_limited, see ``quotas``) or
+    for a model whose queue is full (503 overloaded)."""
+    limits = quotas.limits_of(quotas.lock_owner(owner.pk))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            ADMISSION_SQL,
+            {
+                "owner": owner.pk,
+                "model": spec.id,
+                "queued": Status.QUEUED.value,
+                "live": fairness.LIVE_VALUES,
+            },
+        )
+        owner_queued, model_queued, fair_key = cursor.fetchone()
+    quotas.admit(owner.pk, limits, owner_queued)
+    if model_queued >= settings.LMSP_MAX_QUEUED_PER_MODEL:
         raise ProblemError(
             "overloaded",
-            f"{queued} requests are already waiting for {spec.id!r}; try again later.",
+            f"{model_queued} requests are already waiting for {spec.id!r}; try again later.",
             headers={"Retry-After": "10"},
         )
+    return Admission(fair_key)
 
 
 @transaction.atomic(savepoint=False)  # part of the submit's transaction, never retried alone
 def create_task(
     owner: AbstractBaseUser,
+    admission: Admission,
     response_id: str,
     spec: ModelSpec,
     input_tokens: int,
@@ -49,9 +76,9 @@ def create_task(
     """The task that generates a response (already stored in this transaction):
     log ``response.created``, count the request, and queue the job once this
     transaction commits. ``cost`` is what fair sharing charges the owner for
-    it: its output token budget. Call after ``admit`` in the same
-    transaction: its lock on the owner's row gives the owner's tasks their
-    fair keys one at a time."""
+    it: its output token budget. ``admission`` is what ``admit`` returned
+    in the same transaction: under its lock on the owner's row the owner's
+    tasks get their fair keys one at a time."""
     now = timezone.now()
     cost = max(1, cost)
     task = Task(
@@ -63,11 +90,11 @@ def create_task(
         created_at=now,
         enqueued_at=now,
         cost=cost,
-        fair_key=fairness.fair_key_for(owner, spec.id),
+        fair_key=admission.fair_key,
     )
     # Numbered before the task row is written, so that one INSERT stores the
     # task with its last_event_id (the event's foreign key is checked at commit).
-    EventLog.append(task, [protocol.created_event(response_id)])
+    EventLog.append(task, [protocol.created_event(response_id)], new_task=True)
     task.save(force_insert=True)
     UsageRecord.objects.create(
         response_id=response_id,
