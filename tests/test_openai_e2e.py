@@ -257,6 +257,28 @@ def test_chat_stream_dropped_by_the_client_cancels_the_generation(client):
         time.sleep(0.1)
 
 
+def test_a_synchronous_chat_client_that_gives_up_cancels_its_generation(client, stack, token):
+    """A client that leaves a non-streamed completion takes its generation with
+    it, as it did under Django's handler (``lmsp_core.lean`` cancels the view)."""
+    client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)  # loaded, and gone
+    request = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": LONG_STORY}],
+        "temperature": 0,
+        "max_tokens": 400,  # never reached: the client gives up after 3 s
+    }
+    with stack.client(token, timeout=httpx.Timeout(3, connect=10)) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            impatient.post("/v1/chat/completions", json=request)
+    gave_up = time.monotonic()
+    task = Task.objects.get()
+    while task.status == "in_progress" and time.monotonic() - gave_up < 5:
+        time.sleep(0.05)
+        task.refresh_from_db()
+    assert task.status == "cancelled" and task.started_at is not None
+    assert time.monotonic() - gave_up < 2
+
+
 # --- responses -------------------------------------------------------------------------
 
 
