@@ -6,9 +6,9 @@ In front of both, a few async views are served without Django's per-request
 machinery (``lmsp_core.lean.LeanViews``: same resolver, middleware, views and
 answers, the same bounded body, no thread per request): the views that follow
 a task's or a background response's events, so that a web process holds
-thousands of them, and direct responses, whose first token would wait for
-Django's handler. ``LMSP_LEAN_STREAMS=0`` hands them to Django's handler like
-every other view.
+thousands of them, and direct responses (LMSP's and OpenAI's), whose first
+token would wait for Django's handler. ``LMSP_LEAN_STREAMS=0`` hands them to
+Django's handler like every other view.
 """
 
 import gc
@@ -35,6 +35,8 @@ LEAN_VIEWS = {
     openai_views.response_detail: "GET",  # /v1/responses/{id}
     # Direct responses: the handler's thread hops came before the first token.
     response_views.create_response: "POST",  # /lmsp/v1/responses
+    openai_views.create_response: "POST",  # /v1/responses
+    openai_views.chat_completions: "POST",  # /v1/chat/completions
 }
 
 bounded = BoundedBody(django_application, shapes={"/v1/": error_body})

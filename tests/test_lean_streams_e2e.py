@@ -50,10 +50,10 @@ def _scope(method: str, path: str, headers: list[tuple[bytes, bytes]] | None = N
 
 def test_the_service_serves_its_views_lean():
     """The application the web process runs (the stack's, the Procfile's) answers
-    the follower endpoints and direct responses itself, with or without a body,
-    and hands everything else to Django."""
+    the follower endpoints and direct responses (LMSP's and OpenAI's) itself,
+    with or without a body, and hands everything else to Django."""
     from lmsp_project.asgi import application
-    from openai_app.views import response_detail
+    from openai_app import views as openai_views
     from responses_app.views import create_response
     from tasks_app.views import task_events
 
@@ -63,17 +63,24 @@ def test_the_service_serves_its_views_lean():
     assert found is not None and found.func is task_events
     assert found.route == "lmsp/v1/tasks/<str:task_id>/events"
     answer = application._view_of(_scope("GET", "/v1/responses/resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF"))
-    assert answer is not None and answer.func is response_detail
+    assert answer is not None and answer.func is openai_views.response_detail
+    posted = {
+        "/lmsp/v1/responses": create_response,
+        "/v1/responses": openai_views.create_response,
+        "/v1/chat/completions": openai_views.chat_completions,
+    }
     for body in ([(b"content-length", b"3")], [(b"transfer-encoding", b"chunked")]):
-        found = application._view_of(_scope("POST", "/lmsp/v1/responses", body))
-        assert found is not None and found.func is create_response
+        for path, view in posted.items():
+            found = application._view_of(_scope("POST", path, body))
+            assert found is not None and found.func is view, path
         found = application._view_of(_scope("GET", f"/lmsp/v1/tasks/{task}/events", body))
         assert found is not None and found.func is task_events
     for scope in (
         _scope("POST", f"/lmsp/v1/tasks/{task}/events"),
         _scope("HEAD", f"/lmsp/v1/tasks/{task}/events"),
         _scope("GET", "/lmsp/v1/responses"),
-        _scope("POST", "/v1/responses"),
+        _scope("GET", "/v1/chat/completions"),
+        _scope("POST", "/v1/responses/resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF/cancel"),
         _scope("GET", f"/lmsp/v1/tasks/{task}"),
         _scope("GET", "/lmsp/v1/models"),
         _scope("GET", "/lmsp/v1/nothing/here"),
@@ -293,11 +300,11 @@ def test_follower_requests_are_counted_in_metrics(twins, api, token, stack):
         time.sleep(0.2)
 
 
-# --- direct responses: POST /lmsp/v1/responses ----------------------------------------
+# --- direct responses: POST /lmsp/v1/responses, /v1/responses, /v1/chat/completions ---
 
 RESPONSES = "/lmsp/v1/responses"
 _IDS = re.compile(rb"\b(resp|msg|fc|call|rs|task)_[0-9A-HJKMNP-TV-Z]{26}\b")
-_TIMES = re.compile(rb'"(created_at|started_at|completed_at)": ?[0-9]+')
+_TIMES = re.compile(rb'"(created|created_at|started_at|completed_at)": ?[0-9]+')
 _COMMENTS = re.compile(rb"^:[^\n]*\n\n", re.M)
 
 
@@ -322,16 +329,23 @@ def _generated(raw: bytes) -> bytes:
     return _TIMES.sub(rb'"\1": 0', _IDS.sub(rb"\1_ID", head + b"\r\n\r\n" + body))
 
 
+def _same_generations(twins, path: str, generation: dict, auth: dict[str, str]) -> None:
+    """Both paths answer ``generation`` alike, synchronous and streamed."""
+    for stream in (False, True):
+        headers, body = _posted({**generation, "stream": stream}, **auth)
+        lean, django = (_exchange(port, path, headers, "POST", body) for port in twins)
+        assert _status(lean) == 200, lean
+        assert _generated(lean) == _generated(django), (path, stream)
+        assert (b"content-type: text/event-stream" in lean) is stream, lean
+
+
+LIMIT = 1_000_000  # LMSP_MAX_BODY_BYTES
+
+
 def test_direct_responses_are_byte_for_byte_those_of_django(twins, token):
     auth = {"Authorization": f"Bearer {token}"}
     generation = request_body(max_output_tokens=6)
-    for stream in (False, True):
-        headers, body = _posted({**generation, "stream": stream}, **auth)
-        lean, django = (_exchange(port, RESPONSES, headers, "POST", body) for port in twins)
-        assert _status(lean) == 200, lean
-        assert _generated(lean) == _generated(django), stream
-        assert (b"content-type: text/event-stream" in lean) is stream, lean
-    limit = 1_000_000  # LMSP_MAX_BODY_BYTES
+    _same_generations(twins, RESPONSES, generation, auth)
     cases = [
         (*_posted(generation), 401),
         (*_posted(generation, Authorization="Bearer nonsense"), 401),
@@ -342,7 +356,7 @@ def test_direct_responses_are_byte_for_byte_those_of_django(twins, token):
         (*_posted(generation, **auth, **{"Idempotency-Key": "k" * 256}), 400),
         (*_posted(generation, **auth, **{"Content-Type": "text/plain"}), 400),
         ({**auth, "Content-Length": "0"}, b"", 400),
-        ({**auth, "Content-Length": str(10 * limit)}, b"", 413),  # before any byte of it
+        ({**auth, "Content-Length": str(10 * LIMIT)}, b"", 413),  # before any byte of it
         ({**auth, "Content-Length": "100"}, b'{"model":', 408),  # 4 s on the test stack
         (*_posted(generation, **auth, **{"LMSP-Version": "2.0"}), 400),  # Django's, body and all
         (*_posted(generation, **auth, Host="evil.example"), 400),
@@ -355,6 +369,38 @@ def test_direct_responses_are_byte_for_byte_those_of_django(twins, token):
     assert _status(_same(twins, RESPONSES, chunked, "POST", _chunks(piece, 3))) == 400
     overflow = [_overflowing(port, chunked, piece) for port in twins]
     assert overflow[0] == overflow[1] and _status(overflow[0]) == 413, overflow
+
+
+OPENAI_GENERATIONS = {
+    "/v1/responses": request_body(max_output_tokens=6),
+    "/v1/chat/completions": {
+        "model": "smollm2:135m",
+        "messages": [{"role": "user", "content": "Say hello in one short sentence."}],
+        "max_tokens": 6,
+        "temperature": 0,
+    },
+}
+
+
+@pytest.mark.parametrize("path", OPENAI_GENERATIONS)
+def test_openai_generations_are_byte_for_byte_those_of_django(twins, token, path):
+    """OpenAI's direct generations, and their errors in OpenAI's shape, the body
+    limit's too (``BoundedBody`` shapes its answers under ``/v1/``)."""
+    auth = {"Authorization": f"Bearer {token}"}
+    generation = OPENAI_GENERATIONS[path]
+    _same_generations(twins, path, generation, auth)
+    cases = [
+        (*_posted(generation), 401),
+        (*_posted(b"{not json", **auth), 400),
+        (*_posted({**generation, "temperature": "hot"}, **auth), 400),
+        ({**auth, "Content-Length": str(10 * LIMIT)}, b"", 413),  # before any byte of it
+        (*_posted(generation, **auth, Host="evil.example"), 400),  # Django's, body and all
+    ]
+    for headers, body, status in cases:
+        raw = _same(twins, path, headers, "POST", body)
+        assert _status(raw) == status, headers
+        error = json.loads(_generated(raw).partition(b"\r\n\r\n")[2])["error"]
+        assert set(error) == {"message", "type", "param", "code"}, raw
 
 
 def _chunks(piece: bytes, count: int) -> bytes:
