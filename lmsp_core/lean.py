@@ -12,10 +12,11 @@ its iterator stays alive as long as the stream. That weighs on
   (README, "Event streams at scale"): each cost about 28 KiB of RSS while
   it waited and over 2 ms of CPU to connect before any line of the view ran
   (``bench/README.md``, bench_fanout.py);
-- direct responses (``POST /lmsp/v1/responses``): the hops before the view
-  submits the generation are on the path to its first token, and on a busy
-  event loop each waits its turn (bench_concurrency.py). In-process, a
-  request answered 401 took 3.4 ms through Django's handler, 0.6 ms here.
+- direct responses (``POST /lmsp/v1/responses``, OpenAI's ``/v1/responses``
+  and ``/v1/chat/completions``): the hops before the view submits the
+  generation are on the path to its first token, and on a busy event loop
+  each waits its turn (bench_concurrency.py). In-process, a request
+  answered 401 took 3.4 ms through Django's handler, 0.6 ms here.
 
 ``LeanViews`` sits in front of Django (``lmsp_project/asgi.py``) and serves
 the views it is given, each for one method, itself, on the event loop, with

@@ -172,9 +172,10 @@ LMSP_MAX_STREAMS_PER_PROCESS = env_int("LMSP_MAX_STREAMS_PER_PROCESS", 20_000)
 LMSP_MAX_STREAMS_PER_TOKEN = env_int("LMSP_MAX_STREAMS_PER_TOKEN", 1_000)
 LMSP_STREAM_RETRY_AFTER_SECONDS = env_int("LMSP_STREAM_RETRY_AFTER_SECONDS", 5)
 # Event streams that follow a task (GET /lmsp/v1/tasks/{id}/events, GET
-# /v1/responses/{id}) and direct responses (POST /lmsp/v1/responses) are served
-# outside Django's request handler (lmsp_core.lean): same answers, a fraction of
-# the memory and CPU per stream, no thread hops before a generation is submitted.
+# /v1/responses/{id}) and direct responses (POST /lmsp/v1/responses, /v1/responses,
+# /v1/chat/completions) are served outside Django's request handler
+# (lmsp_core.lean): same answers, a fraction of the memory and CPU per stream, no
+# thread hops before a generation is submitted.
 LMSP_LEAN_STREAMS = env_bool("LMSP_LEAN_STREAMS", True)
 LMSP_EVENT_RETENTION_SECONDS = env_int("LMSP_EVENT_RETENTION_SECONDS", 86_400)
 LMSP_TASK_RETENTION_SECONDS = env_int("LMSP_TASK_RETENTION_SECONDS", 30 * 86_400)
