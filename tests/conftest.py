@@ -5,6 +5,7 @@ import json
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import redis
 from django.conf import settings
@@ -159,3 +160,21 @@ def deltas_text(events: list[dict], item_id: str | None = None) -> str:
         if e["event"] == "response.output_text.delta"
         and (item_id is None or e["data"]["item_id"] == item_id)
     )
+
+
+def give_up_on(stack: Stack, token: str, path: str, body: dict, seconds: float = 3) -> float:
+    """POST ``body`` as a client that stops waiting for the answer after
+    ``seconds`` and leaves; returns when it left (``time.monotonic``)."""
+    with stack.client(token, timeout=httpx.Timeout(seconds, connect=10)) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            impatient.post(path, json=body)
+    return time.monotonic()
+
+
+def settled(record, left_at: float, within: float = 5):  # noqa: ANN001, ANN201
+    """``record`` (a task or a response) read again until it is no longer in
+    progress, or ``within`` seconds after ``left_at``."""
+    while record.status == "in_progress" and time.monotonic() - left_at < within:
+        time.sleep(0.05)
+        record.refresh_from_db()
+    return record
