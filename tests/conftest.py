@@ -9,7 +9,9 @@ import httpx
 import pytest
 import redis
 from django.conf import settings
+from django.core.management import CommandError
 from django.db import connections
+from django.test import TransactionTestCase
 
 from accounts_app.models import SCOPES
 from accounts_app.services import create_token
@@ -21,6 +23,29 @@ from lmsp_project.devstack import free_port, start_redis
 from .stack import LOGS, STACK_SETTINGS, Stack
 
 ALL_SCOPES = list(SCOPES)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def flush_again_after_a_deadlock() -> Iterator[None]:
+    """The database is emptied (TRUNCATE) after each test while the stack's
+    processes keep using it: a worker claiming a spare message, the sweeper.
+    TRUNCATE locks its tables one after the other, so it can deadlock with a
+    statement that reads two of them (seen once in a full run); PostgreSQL
+    then fails one side, and when it is the TRUNCATE, it is tried again."""
+    emptied = TransactionTestCase._fixture_teardown
+
+    def empty(test_case: TransactionTestCase) -> None:
+        for attempt in range(3):
+            try:
+                return emptied(test_case)
+            except CommandError as exc:
+                if attempt == 2 or "deadlock detected" not in str(exc.__cause__):
+                    raise
+                time.sleep(0.2)
+
+    TransactionTestCase._fixture_teardown = empty
+    yield
+    TransactionTestCase._fixture_teardown = emptied
 
 
 @pytest.fixture(scope="session", autouse=True)
