@@ -11,8 +11,9 @@ resuming or cancelling it needs ``tasks:read`` / ``tasks:write``.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from typing import TypeVar
 
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
@@ -23,7 +24,7 @@ from accounts_app.services import authenticate_bearer, require_scope
 from generation.registry import available_models, get_model
 from lmsp_core import protocol
 from lmsp_core.errors import ProblemError
-from lmsp_core.http import db_call, json_body
+from lmsp_core.http import cpu_call, db_call, json_body
 from lmsp_core.protocol import KEEPALIVE_FRAME
 from responses_app import direct
 from responses_app.models import Response
@@ -37,6 +38,8 @@ from tasks_app.streams import SSE_HEADERS, follow_events
 
 from . import chat, responses
 from .errors import ParamMap, named_as_sent, openai_view
+
+T = TypeVar("T")
 
 # --- models -----------------------------------------------------------------------
 
@@ -75,6 +78,13 @@ def _data_frame(data: dict | str) -> bytes:
     return f"data: {body}\n\n".encode()
 
 
+def _translated(translate: Callable[[object], T], request: HttpRequest) -> T:
+    """The body parsed and turned into an LMSP request. Parsing, like the
+    validation after it, is CPU work for up to a megabyte: both run on a worker
+    thread (``cpu_call``), never on the event loop, as in LMSP's own view."""
+    return translate(json_body(request))
+
+
 async def _submitted(
     owner: AbstractBaseUser,
     validated: dict,
@@ -98,9 +108,9 @@ async def _submitted(
 async def chat_completions(request: HttpRequest) -> HttpResponse:
     token = await authenticate(request, "responses:write")
     key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
-    translated = chat.lmsp_request(json_body(request))
+    translated = await cpu_call(_translated, chat.lmsp_request, request)
     with named_as_sent(translated.param_of):
-        validated = validate_response_request(translated.request)
+        validated = await cpu_call(validate_response_request, translated.request)
     task = await _submitted(
         token.owner, validated, TaskKind.DIRECT, key, translated.param_of, translated.stream
     )
@@ -184,11 +194,11 @@ async def _response_frames(
 async def create_response(request: HttpRequest) -> HttpResponse:
     token = await authenticate(request, "responses:write")
     key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
-    translated = responses.lmsp_request(json_body(request))
+    translated = await cpu_call(_translated, responses.lmsp_request, request)
     if translated.background:
         require_scope(token, "tasks:write")
     with named_as_sent(translated.param_of):
-        validated = validate_response_request(translated.request)
+        validated = await cpu_call(validate_response_request, translated.request)
     kind = TaskKind.TASK if translated.background else TaskKind.DIRECT
     task = await _submitted(
         token.owner, validated, kind, key, translated.param_of, translated.stream
