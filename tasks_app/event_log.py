@@ -1,9 +1,10 @@
 """The event log: numbered events per task in PostgreSQL.
 
-``EventLog.append`` is the only writer. Its caller holds the task's row lock
-inside a transaction, so ids are assigned without gaps or repeats, and the
-events, the task's ``last_event_id`` and whatever else the caller changes on
-the task commit together. Readers are woken after the commit.
+``EventLog.append`` and a worker's flush (one statement:
+``tasks_app.lifecycle.record_progress_many``) are the only writers. Both
+hold the task's row lock, so ids are assigned without gaps or repeats, and
+the events, the task's ``last_event_id`` and whatever else changes on the
+task commit together. Readers are woken after the commit (``announce``).
 """
 
 from __future__ import annotations
@@ -39,40 +40,27 @@ class EventLog:
         can follow it yet and nothing is published (a Redis round trip on
         every submit, and a message every web process would read for nobody).
         """
-        return EventLog.append_many([(task, events)], announce=not new_task)[0]
-
-    @staticmethod
-    def append_many(
-        appends: list[tuple[Task, list[tuple[str, dict]]]], announce: bool = True
-    ) -> list[list[StoredEvent]]:
-        """``append`` for several tasks in one INSERT: a worker's runs flushed
-        together (``tasks_app.lifecycle.record_progress_many``)."""
-        if not any(events for _, events in appends):
-            return [[] for _ in appends]
+        if not events:
+            return []
         assert transaction.get_connection().in_atomic_block, "EventLog.append needs a transaction"
         now = timezone.now()
-        rows: list[Event] = []
-        stored_per_task = []
-        for task, events in appends:
-            stored = [
-                StoredEvent(task.last_event_id + offset, name, dumps(data))
-                for offset, (name, data) in enumerate(events, start=1)
-            ]
-            stored_per_task.append(stored)
-            if not stored:
-                continue
-            rows += (
-                Event(task_id=task.id, seq=e.id, type=e.event, data=e.data, created_at=now)
-                for e in stored
-            )
-            task.last_event_id = stored[-1].id
-            if announce:
-                _publish_on_commit(task.id, stored)
-        Event.objects.bulk_create(rows)
-        return stored_per_task
+        stored = [
+            StoredEvent(task.last_event_id + offset, name, dumps(data))
+            for offset, (name, data) in enumerate(events, start=1)
+        ]
+        Event.objects.bulk_create(
+            Event(task_id=task.id, seq=e.id, type=e.event, data=e.data, created_at=now)
+            for e in stored
+        )
+        task.last_event_id = stored[-1].id
+        if not new_task:
+            EventLog.announce(task.id, stored)
+        return stored
 
-
-def _publish_on_commit(task_id: str, stored: list[StoredEvent]) -> None:
-    transaction.on_commit(
-        lambda: notify.publish(task_id, [(e.id, e.event, e.data) for e in stored])
-    )
+    @staticmethod
+    def announce(task_id: str, stored: list[StoredEvent]) -> None:
+        """Wake the task's readers once the events are committed (at once
+        outside a transaction)."""
+        transaction.on_commit(
+            lambda: notify.publish(task_id, [(e.id, e.event, e.data) for e in stored])
+        )
