@@ -59,6 +59,12 @@ SSE_HEADERS = {
 
 RETRY_MAX_SECONDS = 5.0
 
+# How long a feed's task must have been queued before the feed reads its place
+# in the queue (it goes out only in keep-alive comments). A task a worker takes
+# at once never needs it, and the read is a write in PostgreSQL that would run
+# beside the worker's claim, on the way to the first token.
+QUEUE_POSITION_AFTER_SECONDS = 0.25
+
 
 class _Vanished(Exception):
     """Events the feed was about to read were removed meanwhile (retention)."""
@@ -123,9 +129,9 @@ class TaskFeed:
         self._pending: list[list] = []  # messages that came before the first read
         self._joined: dict[int, bytes] = {}  # frames after id N, joined, for this `last`
         self._pages: dict[int, asyncio.Future] = {}
-        self._runner = asyncio.get_running_loop().create_task(
-            self._run(), name=f"lmsp-feed-{task_id}"
-        )
+        loop = asyncio.get_running_loop()
+        self._position_due = loop.time() + QUEUE_POSITION_AFTER_SECONDS
+        self._runner = loop.create_task(self._run(), name=f"lmsp-feed-{task_id}")
 
     # --- the followers' side -------------------------------------------------------
 
@@ -295,6 +301,9 @@ class TaskFeed:
                     if hub.healthy
                     else settings.LMSP_STREAM_POLL_SECONDS
                 )
+                if self.task_queued and self.queue_position is None:  # read it when due
+                    loop = asyncio.get_running_loop()
+                    interval = min(interval, max(0.0, self._position_due - loop.time()))
                 try:
                     async with asyncio.timeout(interval):
                         await self._wake.wait()
@@ -313,7 +322,8 @@ class TaskFeed:
             return
         self.task_final = position.status in FINAL_STATUSES
         self.task_queued = position.status == Status.QUEUED
-        if self.task_queued:  # one more read, shared by the task's followers
+        if self.task_queued and asyncio.get_running_loop().time() >= self._position_due:
+            # one more read, shared by the task's followers
             self.queue_position = await db_call(fairness.queue_position_of, self.task_id)
         self.pruned_through = position.pruned_through
         window = settings.LMSP_STREAM_WINDOW_EVENTS
