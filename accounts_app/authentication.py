@@ -1,16 +1,14 @@
 """Bearer authentication and per-view scopes: DRF's policy classes for the
-API views, and ``authenticate`` for the async views DRF does not serve
-(direct responses and event streams)."""
+API views. The async views DRF does not serve (direct responses, event
+streams) judge the same token the same way (``services.verified_token``),
+read on the streams' async pool (``tasks_app.event_reader.authenticated``)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from django.http import HttpRequest
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.permissions import BasePermission
-
-from lmsp_core.http import db_call
 
 from .models import ApiToken
 from .services import authenticate_bearer, require_scope
@@ -39,16 +37,3 @@ class HasRequiredScope(BasePermission):
         if scope is not None:  # other methods are answered 405 by the view
             require_scope(request.auth, scope)
         return True
-
-
-def authenticated_token(header: str | None, scope: str) -> ApiToken:
-    """The token an ``Authorization`` header names, which must carry ``scope``
-    (sync: ``authenticate`` runs it on a worker thread)."""
-    token = authenticate_bearer(header)
-    require_scope(token, scope)
-    return token
-
-
-async def authenticate(request: HttpRequest, scope: str) -> ApiToken:
-    """The request's token, which must carry ``scope``; else 401 or 403."""
-    return await db_call(authenticated_token, request.headers.get("Authorization"), scope)

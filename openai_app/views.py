@@ -18,7 +18,6 @@ from typing import TypeVar
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 
-from accounts_app.authentication import authenticate
 from accounts_app.models import ApiToken
 from accounts_app.services import authenticate_bearer, require_scope
 from generation.registry import available_models, get_model
@@ -30,7 +29,7 @@ from responses_app import direct
 from responses_app.models import Response
 from responses_app.serializers import validate_response_request
 from responses_app.submit import submit
-from tasks_app import idempotency
+from tasks_app import event_reader, idempotency
 from tasks_app import services as task_services
 from tasks_app.event_log import StoredEvent
 from tasks_app.models import Task, TaskKind
@@ -50,14 +49,14 @@ def model_object(spec: object) -> dict:
 
 @openai_view("GET")
 async def model_list(request: HttpRequest) -> HttpResponse:
-    await authenticate(request, "models:read")
+    await event_reader.authenticated(request, "models:read")
     data = [model_object(spec) for spec in available_models().values()]
     return JsonResponse({"object": "list", "data": data})
 
 
 @openai_view("GET")
 async def model_detail(request: HttpRequest, model_id: str) -> HttpResponse:
-    await authenticate(request, "models:read")
+    await event_reader.authenticated(request, "models:read")
     return JsonResponse(model_object(get_model(model_id, param="model")))
 
 
@@ -106,7 +105,7 @@ async def _submitted(
 
 @openai_view("POST")
 async def chat_completions(request: HttpRequest) -> HttpResponse:
-    token = await authenticate(request, "responses:write")
+    token = await event_reader.authenticated(request, "responses:write")
     key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
     translated = await cpu_call(_translated, chat.lmsp_request, request)
     with named_as_sent(translated.param_of):
@@ -192,7 +191,7 @@ async def _response_frames(
 
 @openai_view("POST")
 async def create_response(request: HttpRequest) -> HttpResponse:
-    token = await authenticate(request, "responses:write")
+    token = await event_reader.authenticated(request, "responses:write")
     key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
     translated = await cpu_call(_translated, responses.lmsp_request, request)
     if translated.background:

@@ -9,12 +9,11 @@ from rest_framework.request import Request
 from rest_framework.response import Response as DRFResponse
 from rest_framework.views import APIView
 
-from accounts_app.authentication import authenticate
 from generation.registry import available_models, get_model
 from lmsp_core import protocol
 from lmsp_core.errors import ProblemError
 from lmsp_core.http import check_method, cpu_call, csrf_free, db_call, json_body
-from tasks_app import idempotency
+from tasks_app import event_reader, idempotency
 from tasks_app.models import Task, TaskKind
 from tasks_app.streams import SSE_HEADERS, lmsp_frame
 
@@ -62,7 +61,7 @@ async def create_response(request: HttpRequest) -> HttpResponse:
     nobody but this client could want it (``direct.cancels_if_left``).
     """
     check_method(request, ("POST",))
-    token = await authenticate(request, "responses:write")
+    token = await event_reader.authenticated(request, "responses:write")
     key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
     body = await cpu_call(_validated_body, request)
     leave = direct.cancels_if_left(key, body["stream"])

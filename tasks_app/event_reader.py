@@ -12,7 +12,8 @@ Connecting a follower borrows the same pool: one query reads the bearer
 token, its owner's ``is_active`` and the task (``token_and_task``), with no
 thread and no new PostgreSQL session, for all the followers connecting at
 the same moment; ``accounts_app.services`` judges the token as it judges
-any other.
+any other. Requests that start a generation authenticate the same way
+(``authenticated``).
 
 ``QUERIES`` counts them, so that a benchmark or a debugger can see what the
 streams of this process cost the database.
@@ -31,10 +32,13 @@ import psycopg_pool
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import connections
+from django.http import HttpRequest
+from django.utils import timezone
 from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool
 
 from accounts_app.models import ApiToken
+from accounts_app.services import bearer_credentials, require_scope, use_to_record, verified_token
 
 from .event_log import StoredEvent
 from .models import Task, TaskKind
@@ -236,6 +240,28 @@ async def record_token_use(token_id: int, now: datetime) -> None:
         (now, token_id),
         fetch="none",
     )
+
+
+async def judged_token(found: ApiToken | None, secret: str, scope: str) -> ApiToken:
+    """The token ``token_and_task`` found for a secret, judged as
+    ``accounts_app.services.authenticate_bearer`` judges it (401), its use
+    recorded, and its ``scope`` required (403)."""
+    now = timezone.now()
+    token = verified_token(found, secret, now)
+    if use_to_record(token, now):
+        await record_token_use(token.pk, now)
+    require_scope(token, scope)
+    return token
+
+
+async def authenticated(request: HttpRequest, scope: str) -> ApiToken:
+    """The token the request's ``Authorization`` header names, which must
+    carry ``scope`` (401, 403), read on this pool: an async view
+    authenticates without a thread or a pooled session of its own, which for
+    a request that starts a generation is on the way to its first token."""
+    prefix, secret = bearer_credentials(request.headers.get("Authorization"))
+    found, _ = await token_and_task(prefix, None)
+    return await judged_token(found, secret, scope)
 
 
 async def _run(sql: str, params: tuple, fetch: str) -> Any:

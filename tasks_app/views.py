@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
-from django.utils import timezone
 from rest_framework.request import Request
 from rest_framework.response import Response as DRFResponse
 from rest_framework.views import APIView
 
 from accounts_app.models import ApiToken
-from accounts_app.services import bearer_credentials, require_scope, use_to_record, verified_token
+from accounts_app.services import bearer_credentials
 from lmsp_core import protocol
 from lmsp_core.errors import ProblemError
 from lmsp_core.http import check_method, csrf_free
@@ -100,11 +99,7 @@ async def _open_stream(request: HttpRequest, task_id: str) -> tuple[ApiToken, in
     prefix, secret = bearer_credentials(request.headers.get("Authorization"))
     valid = is_valid_id(task_id, "task")
     found, task = await event_reader.token_and_task(prefix, task_id if valid else None)
-    now = timezone.now()
-    token = verified_token(found, secret, now)
-    if use_to_record(token, now):
-        await event_reader.record_token_use(token.pk, now)
-    require_scope(token, "tasks:read")
+    token = await event_reader.judged_token(found, secret, "tasks:read")
     after = resume_point(request)
     if task is None:
         raise selectors.task_not_found(task_id)
