@@ -34,14 +34,17 @@ starts afresh when a task is queued again (a lost worker, a re-queue).
 
 from __future__ import annotations
 
-from django.db import connection
-from django.db.models import OuterRef, Q, Subquery
+import functools
 
+from django.db import connection
+from django.db.models import Model, Q
+
+from lmsp_core.rows import from_row
 from lmsp_core.status import Status
 
 from . import quotas
 from .locking import locked_row
-from .models import ModelClock, OwnerQuota, QueuePosition, Task
+from .models import ModelClock, QueuePosition, Task
 
 LIVE = (Status.QUEUED, Status.IN_PROGRESS)
 FAIR_ORDER = ("fair_key", "created_at", "id")
@@ -64,43 +67,85 @@ LIVE_VALUES = [status.value for status in LIVE]
 def lock_clock(task_id: str) -> ModelClock | None:
     """The clock of ``task_id``'s model, locked until the transaction ends: one
     statement once the model has a clock. None when there is no such task."""
-    model_of = Task.objects.filter(id=task_id).values("model")
-    clock = ModelClock.objects.select_for_update().filter(model=Subquery(model_of)).first()
-    if clock is None:  # the model's first claim (or no such task)
-        model = model_of.values_list("model", flat=True).first()
-        clock = None if model is None else locked_row(ModelClock, model=model)
-    return clock
+    with connection.cursor() as cursor:
+        cursor.execute(LOCK_CLOCK_SQL, [task_id])
+        row = cursor.fetchone()
+    if row is not None:
+        return from_row(ModelClock, ["model", "virtual_time"], row)
+    # The model's first claim (or no such task).
+    model = Task.objects.filter(id=task_id).values_list("model", flat=True).first()
+    return None if model is None else locked_row(ModelClock, model=model)
+
+
+LOCK_CLOCK_SQL = """
+SELECT model, virtual_time FROM tasks_app_modelclock
+ WHERE model = (SELECT model FROM tasks_app_task WHERE id = %s)
+   FOR UPDATE
+"""
 
 
 def take_fairest(clock: ModelClock) -> Task | None:
     """Lock and return the queued task of the (locked) ``clock``'s model a free
     slot should take, with its response, or None (nothing queued, or every
     waiting owner at its running quota). Call inside the claiming transaction."""
-    own_limit = OwnerQuota.objects.filter(owner_id=OuterRef("owner_id")).values("max_running")
-    passed_over: set[int] = set()  # owners at their running quota
+    passed_over: list[int] = []  # owners at their running quota
     while True:
-        task = (
-            # NO KEY UPDATE: rows only key-shared (an event or a position
-            # being written for the task) are not skipped.
-            Task.objects.select_for_update(skip_locked=True, no_key=True, of=("self",))
-            # Read in the same statement: what the run needs first, and
-            # whether the owner has a running limit of its own to check.
-            .select_related("response")
-            .annotate(own_max_running=Subquery(own_limit))
-            .filter(model=clock.model, status=Status.QUEUED)
-            .exclude(owner_id__in=passed_over)
-            .order_by(*FAIR_ORDER)
-            .first()
-        )
-        if task is None:
+        with connection.cursor() as cursor:
+            cursor.execute(_fairest_sql(), [clock.model, Status.QUEUED.value, passed_over])
+            row = cursor.fetchone()
+        if row is None:
             return None
+        task = _claimed_task(row)
         if quotas.may_start(task.owner_id, task.own_max_running):
             break
-        passed_over.add(task.owner_id)
+        passed_over.append(task.owner_id)
     if task.fair_key > clock.virtual_time:
         clock.virtual_time = task.fair_key
         clock.save(update_fields=["virtual_time"])
     return task
+
+
+# The claim's pick, in SQL written once rather than compiled by the ORM at
+# every claim (a third of the claim's CPU, on the way to the first token): the
+# fairest queued task, locked (NO KEY UPDATE: rows only key-shared, by an event
+# or a position being written for the task, are not skipped), read with what
+# the run needs first (its response) and whether the owner has a running limit
+# of its own to check.
+@functools.cache
+def _fairest_sql() -> str:
+    task = ", ".join(f't."{field.column}"' for field in Task._meta.concrete_fields)
+    response = ", ".join(f'r."{field.column}"' for field in _response_model()._meta.concrete_fields)
+    return f"""
+SELECT {task}, {response},
+       (SELECT max_running FROM tasks_app_ownerquota WHERE owner_id = t.owner_id)
+  FROM tasks_app_task AS t
+  JOIN {_response_model()._meta.db_table} AS r ON r.id = t.response_id
+ WHERE t.model = %s AND t.status = %s AND NOT (t.owner_id = ANY(%s))
+ ORDER BY t.fair_key, t.created_at, t.id
+ LIMIT 1
+   FOR NO KEY UPDATE OF t SKIP LOCKED
+"""
+
+
+def _claimed_task(row: tuple) -> Task:
+    """The task of a ``_fairest_sql`` row, its response and ``own_max_running`` set."""
+    task_names, response_names = _names(Task), _names(_response_model())
+    split = len(task_names)
+    task = from_row(Task, task_names, row[:split], connection.alias)
+    task.response = from_row(
+        _response_model(), response_names, row[split : split + len(response_names)]
+    )
+    task.own_max_running = row[-1]
+    return task
+
+
+def _response_model() -> type[Model]:
+    return Task._meta.get_field("response").related_model
+
+
+@functools.cache
+def _names(model: type[Model]) -> list[str]:
+    return [field.attname for field in model._meta.concrete_fields]
 
 
 # One statement: the task's rank in the fair order among its model's queued

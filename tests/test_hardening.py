@@ -14,18 +14,22 @@ from datetime import timedelta
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
+from django.db import connection
 from django.utils import timezone
 
-from accounts_app.services import authenticate_bearer, create_token, revoke_token
+from accounts_app.models import ApiToken
+from accounts_app.services import authenticate_bearer, create_token, require_scope, revoke_token
 from generation import grammar_limits, schemas
 from generation.output import TOOL_OPEN, OutputAssembler
 from generation.params import GenerationParams
 from generation.registry import get_model
 from lmsp_core.errors import ProblemError
+from lmsp_core.rows import from_row
 from lmsp_core.status import Status
 from responses_app.serializers import validate_response_request
 from responses_app.submit import submit
 from tasks_app import lifecycle
+from tasks_app.event_reader import TOKEN_FIELDS
 from tasks_app.models import IdempotencyKey, Task, TaskKind
 from workers.runner import run_task
 
@@ -155,6 +159,25 @@ def test_tokens_of_an_inactive_user_are_refused():
     with pytest.raises(ProblemError) as refused:
         authenticate_bearer(f"Bearer {issued.secret}")
     assert refused.value.code == "unauthorized" and "deactivated" in str(refused.value.detail)
+
+
+def test_a_row_read_in_sql_becomes_the_instance_the_orm_builds():
+    """``lmsp_core.rows.from_row`` (the claim's pick) decodes what Django's
+    connection reads as the ORM does: JSON comes as a list, not as the text in
+    which a scope check would be a substring test."""
+    issued = create_token(username="dora", scopes="tasks:read,models:read")
+    columns = ", ".join(TOKEN_FIELDS)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT {columns} FROM {ApiToken._meta.db_table} WHERE id = %s", [issued.token.id]
+        )
+        row = cursor.fetchone()
+    assert isinstance(row[TOKEN_FIELDS.index("scopes")], str)  # jsonb, as Django reads it
+    token = from_row(ApiToken, TOKEN_FIELDS, row)
+    assert sorted(token.scopes) == ["models:read", "tasks:read"]
+    with pytest.raises(ProblemError) as refused:
+        require_scope(token, "tasks:rea")
+    assert refused.value.code == "insufficient_scope"
 
 
 def test_revoke_needs_a_whole_prefix():
