@@ -115,13 +115,14 @@ def take_fairest(clock: ModelClock) -> Task | None:
 def _fairest_sql() -> str:
     task = ", ".join(f't."{field.column}"' for field in Task._meta.concrete_fields)
     response = ", ".join(f'r."{field.column}"' for field in _response_model()._meta.concrete_fields)
+    order = ", ".join(f"t.{name}" for name in FAIR_ORDER)
     return f"""
 SELECT {task}, {response},
        (SELECT max_running FROM tasks_app_ownerquota WHERE owner_id = t.owner_id)
   FROM tasks_app_task AS t
   JOIN {_response_model()._meta.db_table} AS r ON r.id = t.response_id
  WHERE t.model = %s AND t.status = %s AND NOT (t.owner_id = ANY(%s))
- ORDER BY t.fair_key, t.created_at, t.id
+ ORDER BY {order}
  LIMIT 1
    FOR NO KEY UPDATE OF t SKIP LOCKED
 """
@@ -131,7 +132,7 @@ def _claimed_task(row: tuple) -> Task:
     """The task of a ``_fairest_sql`` row, its response and ``own_max_running`` set."""
     task_names, response_names = _names(Task), _names(_response_model())
     split = len(task_names)
-    task = from_row(Task, task_names, row[:split], connection.alias)
+    task = from_row(Task, task_names, row[:split])
     task.response = from_row(
         _response_model(), response_names, row[split : split + len(response_names)]
     )
