@@ -1,4 +1,4 @@
-"""Model instances from rows read with hand-written SQL.
+"""Model instances and rows, for hot paths written in SQL.
 
 ``Model.from_db`` takes the values as they come, but the ORM converts some
 first: Django's connection reads ``jsonb`` as text, and a JSONField's value
@@ -6,15 +6,22 @@ is decoded by the field (``from_db_value``). ``from_row`` converts as the
 ORM would, so that an instance read in SQL on Django's connection (a hot
 path written once) is the instance the ORM would have built. (The streams'
 own async pool decodes JSON itself: its rows need no conversion.)
+
+``as_record`` goes the other way: an unsaved instance as the row ``save()``
+would insert, so that a statement that inserts it among other things (a
+submit: ``tasks_app.services.start_task``) writes what the ORM would.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from datetime import datetime
 from typing import TypeVar
 
 from django.db import connections
 from django.db.models import Model
+from psycopg.types.json import Json, Jsonb
 
 M = TypeVar("M", bound=Model)
 
@@ -30,3 +37,31 @@ def from_row(model: type[M], names: Sequence[str], values: Sequence, alias: str 
             value = field.from_db_value(value, None, connection)
         converted.append(value)
     return model.from_db(alias, list(names), converted)
+
+
+def inserted_columns(model: type[Model]) -> list[str]:
+    """The columns an INSERT of ``model`` writes: all but an auto-incremented key."""
+    meta = model._meta
+    return [field.column for field in meta.local_concrete_fields if field is not meta.auto_field]
+
+
+def as_record(obj: Model, alias: str = "default") -> str:
+    """The row ``obj.save()`` would insert (defaults and ``pre_save`` applied,
+    values prepared by their fields), as a JSON object keyed by column, for
+    ``jsonb_populate_record``; an auto-incremented key is left out (the
+    database numbers it)."""
+    meta = obj._meta
+    connection = connections[alias]
+    items = []
+    for field in meta.local_concrete_fields:
+        if field is meta.auto_field:
+            continue
+        value = field.get_db_prep_save(field.pre_save(obj, True), connection)
+        if isinstance(value, (Json, Jsonb)):  # a JSONField's, with the field's own encoder
+            encoded = (value.dumps or json.dumps)(value.obj)
+        elif isinstance(value, datetime):
+            encoded = json.dumps(value.isoformat())
+        else:
+            encoded = json.dumps(value)
+        items.append(f"{json.dumps(field.column)}: {encoded}")
+    return "{" + ", ".join(items) + "}"

@@ -1,6 +1,6 @@
 """Every write of a ``Response``: create, finish, reopen and discard.
 
-A response is created with its task (``submit``), finished and reopened
+A response is built here and created with its task (``submit``), finished and reopened
 when the task lifecycle says so (``tasks_app.signals``, connected in
 ``apps``), and discarded under one rule (``discard_unneeded``).
 """
@@ -30,8 +30,10 @@ if TYPE_CHECKING:
 UNDELIVERED_GRACE = timedelta(seconds=60)
 
 
-def create(owner: AbstractBaseUser, prepared: PreparedGeneration) -> Response:
-    return Response.objects.create(
+def new(owner: AbstractBaseUser, prepared: PreparedGeneration) -> Response:
+    """The response of a submit, unsaved: the submit's one statement inserts
+    it with its task (``tasks_app.services.start_task``)."""
+    return Response(
         id=new_id("resp"),
         owner=owner,
         model=prepared.spec.id,

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from django.contrib.auth.base_user import AbstractBaseUser
-from django.db import transaction
 
 from generation.params import GenerationParams
 from generation.prompts import render_prompt
@@ -99,18 +98,14 @@ def prepare_generation(
     )
 
 
-@transaction.atomic
 def start_generation(owner: AbstractBaseUser, prepared: PreparedGeneration, kind: str) -> Task:
-    """Store the response and the task that generates it, in one transaction,
+    """Store the response and the task that generates it, in one statement,
     which first locks the owner's row and checks its quotas (429), then the
     model's queue (503)."""
-    admission = services.admit(owner, prepared.spec)
-    response = records.create(owner, prepared)
-    return services.create_task(
+    return services.start_task(
         owner,
-        admission,
-        response.id,
         prepared.spec,
+        records.new(owner, prepared),
         prepared.input_tokens,
         kind=kind,
         cost=prepared.params.max_output_tokens,

@@ -1,6 +1,7 @@
 """The event log: numbered events per task in PostgreSQL.
 
-``EventLog.append`` and a worker's flush (one statement:
+``EventLog.append``, the submit that creates a task with its first event
+(``tasks_app.services.start_task``) and a worker's flush (one statement:
 ``tasks_app.lifecycle.record_progress_many``) are the only writers. Both
 hold the task's row lock, so ids are assigned without gaps or repeats, and
 the events, the task's ``last_event_id`` and whatever else changes on the
@@ -29,33 +30,39 @@ class StoredEvent:
 
 class EventLog:
     @staticmethod
-    def append(
-        task: Task, events: list[tuple[str, dict]], *, new_task: bool = False
-    ) -> list[StoredEvent]:
+    def append(task: Task, events: list[tuple[str, dict]]) -> list[StoredEvent]:
         """Number and store ``events`` after the task's last one.
 
         ``task`` must be locked (``select_for_update``) in the current
         transaction; the caller saves it (``last_event_id`` included).
-        ``new_task``: the task is created in this transaction, so no reader
-        can follow it yet and nothing is published (a Redis round trip on
-        every submit, and a message every web process would read for nobody).
         """
         if not events:
             return []
         assert transaction.get_connection().in_atomic_block, "EventLog.append needs a transaction"
+        stored, rows = EventLog.numbered(task, events)
+        Event.objects.bulk_create(rows)
+        EventLog.announce(task.id, stored)
+        return stored
+
+    @staticmethod
+    def numbered(
+        task: Task, events: list[tuple[str, dict]]
+    ) -> tuple[list[StoredEvent], list[Event]]:
+        """``events`` numbered after the task's last one, as sent and as rows
+        to insert; ``task.last_event_id`` moves on to the last. A new task's
+        rows are inserted by the statement that creates it
+        (``services.start_task``), unannounced: nobody can follow it yet."""
         now = timezone.now()
         stored = [
             StoredEvent(task.last_event_id + offset, name, dumps(data))
             for offset, (name, data) in enumerate(events, start=1)
         ]
-        Event.objects.bulk_create(
+        task.last_event_id = stored[-1].id
+        rows = [
             Event(task_id=task.id, seq=e.id, type=e.event, data=e.data, created_at=now)
             for e in stored
-        )
-        task.last_event_id = stored[-1].id
-        if not new_task:
-            EventLog.announce(task.id, stored)
-        return stored
+        ]
+        return stored, rows
 
     @staticmethod
     def announce(task_id: str, stored: list[StoredEvent]) -> None:

@@ -1,9 +1,9 @@
 """Per-owner quotas: generations at once, tasks waiting, output tokens a minute.
 
-Counting is race-free because every submit of an owner, and every claim that
-checks the owner's running limit (an owner without one is not counted),
-first locks the owner's ``OwnerQuota`` row
-(``lock_owner``) and counts inside that transaction: of two requests at once,
+Counting is race-free because every submit of an owner (in the statement of
+``tasks_app.services.start_task``) and every claim that checks the owner's
+running limit (``lock_owner``; an owner without one is not counted) first
+locks the owner's ``OwnerQuota`` row and counts inside that transaction: of two requests at once,
 the second counts after the first has committed its task. Past the queued
 or token quota a submit is refused with ``429 rate_limited`` and a
 ``Retry-After``; past the running quota nothing is refused, the owner's
@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.utils import timezone
 
 from lmsp_core.errors import ProblemError
 from lmsp_core.status import Status
@@ -88,10 +87,9 @@ def _rate_limited(detail: str, retry_after: int, quota: str, limit: int) -> Prob
     )
 
 
-def _token_retry_after(owner_id: int, limit: int) -> int | None:
-    """Seconds until the owner's tokens of the last minute fall below ``limit``;
-    None while they are below it already."""
-    now = timezone.now()
+def _token_retry_after(owner_id: int, limit: int, now: datetime) -> int | None:
+    """Seconds until the owner's tokens of the minute before ``now`` fall below
+    ``limit``; None while they are below it already."""
     delivered = list(
         UsageRecord.objects.filter(owner_id=owner_id, completed_at__gte=now - TOKEN_WINDOW)
         .order_by("completed_at")
@@ -108,10 +106,11 @@ def _token_retry_after(owner_id: int, limit: int) -> int | None:
     return None if total < limit else math.ceil(TOKEN_WINDOW.total_seconds())
 
 
-def admit(owner_id: int, limits: Limits, waiting: int) -> None:
+def admit(owner_id: int, limits: Limits, waiting: int, now: datetime) -> None:
     """Refuse a request past the owner's queued-task or output-token quota
     with 429. Call in the submit's transaction, with the owner's row locked
-    (``lock_owner``) and ``waiting``, its queued tasks, counted after."""
+    (``lock_owner``) and ``waiting``, its queued tasks, counted after;
+    ``now`` is the submit's time, from which the last minute is counted."""
     if limits.max_queued and waiting >= limits.max_queued:
         raise _rate_limited(
             f"{waiting} of your tasks are already waiting (your quota is "
@@ -121,7 +120,7 @@ def admit(owner_id: int, limits: Limits, waiting: int) -> None:
             limits.max_queued,
         )
     if limits.output_tokens_per_minute:
-        retry_after = _token_retry_after(owner_id, limits.output_tokens_per_minute)
+        retry_after = _token_retry_after(owner_id, limits.output_tokens_per_minute, now)
         if retry_after is not None:
             raise _rate_limited(
                 f"You were sent {limits.output_tokens_per_minute} or more output tokens in "

@@ -1,103 +1,129 @@
-"""Writes that start and stop tasks, and the admission check before them:
-``admit`` (the owner's quotas, 429, and the model's whole queue, 503)."""
+"""Writes that start and stop tasks; a start is admitted first (the owner's
+quotas, 429, and the model's whole queue, 503)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 
 from django.conf import settings
 from django.contrib.auth.base_user import AbstractBaseUser
-from django.db import connection, transaction
+from django.db import connection
+from django.db.models import Model
 from django.utils import timezone
 
 from generation.registry import ModelSpec
-from lmsp_core import protocol
+from lmsp_core import protocol, rows
 from lmsp_core.errors import ProblemError
 from lmsp_core.ids import new_id
 from lmsp_core.status import Status
 
 from . import fairness, lifecycle, quotas
 from .event_log import EventLog
-from .models import Task, UsageRecord
+from .models import Event, Task, UsageRecord
 
-# What a submit reads once the owner's row is locked, in one statement: the
-# owner's queued tasks (its quota), the model's (its capacity) and the new
-# task's fair key.
-ADMISSION_SQL = f"""
-SELECT (SELECT count(*) FROM tasks_app_task WHERE owner_id = %(owner)s AND status = %(queued)s),
-       (SELECT count(*) FROM tasks_app_task WHERE model = %(model)s AND status = %(queued)s),
-       {fairness.FAIR_KEY_SQL}
+# A submit is one query string, so one round trip and one transaction
+# (PostgreSQL runs a string of statements as one unless it is already in
+# one). The first two statements create the owner's quota row if missing and
+# lock it. The third, with a snapshot taken after the lock (so that it counts
+# the tasks of a submit that held the lock before), reads the admission's
+# figures and inserts the new rows ({inserts}) only if they admit the request.
+SUBMIT_SQL = """
+INSERT INTO tasks_app_ownerquota (owner_id)
+SELECT %(owner)s WHERE NOT EXISTS (SELECT FROM tasks_app_ownerquota WHERE owner_id = %(owner)s)
+    ON CONFLICT (owner_id) DO NOTHING;
+SELECT FROM tasks_app_ownerquota WHERE owner_id = %(owner)s FOR UPDATE;
+WITH limits AS (
+    SELECT coalesce(max_running, %(max_running)s) AS max_running,
+           coalesce(max_queued, %(max_queued)s) AS max_queued,
+           coalesce(output_tokens_per_minute, %(tokens_per_minute)s) AS tokens_per_minute
+      FROM tasks_app_ownerquota WHERE owner_id = %(owner)s
+),
+admission AS (
+    SELECT limits.*,
+           (SELECT count(*) FROM tasks_app_task
+             WHERE owner_id = %(owner)s AND status = %(queued)s) AS owner_queued,
+           (SELECT count(*) FROM tasks_app_task
+             WHERE model = %(model)s AND status = %(queued)s) AS model_queued,
+           CASE WHEN limits.tokens_per_minute = 0 THEN 0 ELSE
+               (SELECT coalesce(sum(output_tokens), 0) FROM tasks_app_usagerecord
+                 WHERE owner_id = %(owner)s AND completed_at >= %(minute_ago)s)
+           END AS recent_tokens,
+           {fair_key} AS fair_key
+      FROM limits
+),
+admitted AS (
+    SELECT fair_key AS admitted_fair_key FROM admission
+     WHERE (max_queued = 0 OR owner_queued < max_queued)
+       AND (tokens_per_minute = 0 OR recent_tokens < tokens_per_minute)
+       AND model_queued < %(max_model_queued)s
+){inserts}
+SELECT max_running, max_queued, tokens_per_minute, owner_queued, model_queued, fair_key,
+       EXISTS (SELECT FROM admitted)
+  FROM admission
 """
 
 
-@dataclass(frozen=True)
-class Admission:
-    """A submit let in (``admit``): the fair key its task gets."""
-
-    fair_key: int
-
-
-def admit(owner: AbstractBaseUser, spec: ModelSpec) -> Admission:
-    """Lock the owner's row for the rest of the submit transaction, then refuse
-    a request past the owner's quotas (429 rate_limited, see ``quotas``) or
-    for a model whose queue is full (503 overloaded)."""
-    limits = quotas.limits_of(quotas.lock_owner(owner.pk))
-    with connection.cursor() as cursor:
-        cursor.execute(
-            ADMISSION_SQL,
-            {
-                "owner": owner.pk,
-                "model": spec.id,
-                "queued": Status.QUEUED.value,
-                "live": fairness.LIVE_VALUES,
-            },
-        )
-        owner_queued, model_queued, fair_key = cursor.fetchone()
-    quotas.admit(owner.pk, limits, owner_queued)
-    if model_queued >= settings.LMSP_MAX_QUEUED_PER_MODEL:
-        raise ProblemError(
-            "overloaded",
-            f"{model_queued} requests are already waiting for {spec.id!r}; try again later.",
-            headers={"Retry-After": "10"},
-        )
-    return Admission(fair_key)
+def _insert_if_admitted(model: type[Model], record: str) -> str:
+    """A CTE of ``SUBMIT_SQL`` that inserts a row of ``model`` if the request
+    is admitted, from the JSON ``record`` (an SQL expression: ``as_record``'s
+    parameter, or that with columns set from ``admitted``)."""
+    table = model._meta.db_table
+    columns = rows.inserted_columns(model)
+    return (
+        f",\ninsert_{table} AS (\n    INSERT INTO {table} ({', '.join(columns)})\n"
+        f"    SELECT {', '.join(columns)}\n"
+        f"      FROM admitted, jsonb_populate_record(NULL::{table}, {record})\n)"
+    )
 
 
-@transaction.atomic(savepoint=False)  # part of the submit's transaction, never retried alone
-def create_task(
+@functools.cache
+def _submit_sql(response_model: type[Model]) -> str:
+    """``SUBMIT_SQL`` for a response of ``response_model``, written once (and
+    short enough for psycopg to keep it parsed)."""
+    inserts = [
+        _insert_if_admitted(response_model, "%(response)s::jsonb"),
+        _insert_if_admitted(
+            Task, "%(task)s::jsonb || jsonb_build_object('fair_key', admitted_fair_key)"
+        ),
+        _insert_if_admitted(Event, "%(created_event)s::jsonb"),
+        _insert_if_admitted(UsageRecord, "%(usage)s::jsonb"),
+    ]
+    return SUBMIT_SQL.format(fair_key=fairness.FAIR_KEY_SQL, inserts="".join(inserts))
+
+
+def start_task(
     owner: AbstractBaseUser,
-    admission: Admission,
-    response_id: str,
     spec: ModelSpec,
+    response: Model,
     input_tokens: int,
     kind: str,
     cost: int = 1,
 ) -> Task:
-    """The task that generates a response (already stored in this transaction):
-    log ``response.created``, count the request, and queue the job once this
-    transaction commits. ``cost`` is what fair sharing charges the owner for
-    it: its output token budget. ``admission`` is what ``admit`` returned
-    in the same transaction: under its lock on the owner's row the owner's
-    tasks get their fair keys one at a time."""
+    """Store ``response`` (its app's row, built unsaved) and the task that
+    generates it, with the task's ``response.created`` event and its usage
+    record, if the owner's quotas (429 rate_limited, see ``quotas``) and the
+    model's whole queue (503 overloaded) admit the request; queue the job
+    once committed. All in one statement: the owner's row is locked, the
+    figures read and the rows inserted in one round trip, where the ORM's
+    BEGIN, lock, admission read, four inserts and COMMIT took nine, and the
+    first token of a lone request waits for all of them.
+
+    ``cost`` is what fair sharing charges the owner for the task: its output
+    token budget. Under the owner's lock its tasks get their fair keys one at
+    a time (``fairness.FAIR_KEY_SQL``)."""
     now = timezone.now()
-    cost = max(1, cost)
     task = Task(
         id=new_id("task"),
         owner=owner,
         kind=kind,
-        response_id=response_id,
+        response_id=response.pk,
         model=spec.id,
         created_at=now,
         enqueued_at=now,
-        cost=cost,
-        fair_key=admission.fair_key,
+        cost=max(1, cost),
     )
-    # Numbered before the task row is written, so that one INSERT stores the
-    # task with its last_event_id (the event's foreign key is checked at commit).
-    EventLog.append(task, [protocol.created_event(response_id)], new_task=True)
-    task.save(force_insert=True)
-    UsageRecord.objects.create(
-        response_id=response_id,
+    usage = UsageRecord(
+        response_id=response.pk,
         owner=owner,
         model=spec.id,
         kind=kind,
@@ -105,6 +131,35 @@ def create_task(
         input_tokens=input_tokens,
         created_at=now,
     )
+    (created_event,) = EventLog.numbered(task, [protocol.created_event(response.pk)])[1]
+    params = {
+        "owner": owner.pk,
+        "model": spec.id,
+        "queued": Status.QUEUED.value,
+        "live": fairness.LIVE_VALUES,
+        "max_running": settings.LMSP_QUOTA_MAX_RUNNING,
+        "max_queued": settings.LMSP_QUOTA_MAX_QUEUED,
+        "tokens_per_minute": settings.LMSP_QUOTA_OUTPUT_TOKENS_PER_MINUTE,
+        "minute_ago": now - quotas.TOKEN_WINDOW,
+        "max_model_queued": settings.LMSP_MAX_QUEUED_PER_MODEL,
+        "response": rows.as_record(response),
+        "task": rows.as_record(task),
+        "created_event": rows.as_record(created_event),
+        "usage": rows.as_record(usage),
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(_submit_sql(type(response)), params)
+        cursor.nextset()  # the quota row created if missing
+        cursor.nextset()  # and locked
+        *limits, owner_queued, model_queued, fair_key, admitted = cursor.fetchone()
+    if not admitted:
+        quotas.admit(owner.pk, quotas.Limits(*limits), owner_queued, now)  # 429 if a quota is why
+        raise ProblemError(  # else the model's queue is full
+            "overloaded",
+            f"{model_queued} requests are already waiting for {spec.id!r}; try again later.",
+            headers={"Retry-After": "10"},
+        )
+    task.fair_key = fair_key
     lifecycle.enqueue_on_commit(task, spec.queue)
     return task
 

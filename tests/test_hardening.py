@@ -24,13 +24,14 @@ from generation.output import TOOL_OPEN, OutputAssembler
 from generation.params import GenerationParams
 from generation.registry import get_model
 from lmsp_core.errors import ProblemError
-from lmsp_core.rows import from_row
+from lmsp_core.rows import as_record, from_row, inserted_columns
 from lmsp_core.status import Status
+from responses_app.models import Response
 from responses_app.serializers import validate_response_request
 from responses_app.submit import submit
 from tasks_app import lifecycle
 from tasks_app.event_reader import TOKEN_FIELDS
-from tasks_app.models import IdempotencyKey, Task, TaskKind
+from tasks_app.models import IdempotencyKey, Task, TaskKind, UsageRecord
 from workers.runner import run_task
 
 from .conftest import request_body
@@ -178,6 +179,48 @@ def test_a_row_read_in_sql_becomes_the_instance_the_orm_builds():
     with pytest.raises(ProblemError) as refused:
         require_scope(token, "tasks:rea")
     assert refused.value.code == "insufficient_scope"
+
+
+def test_a_row_written_in_sql_is_the_row_the_orm_writes():
+    """``lmsp_core.rows.as_record`` (the submit's inserts): each column gets
+    the value ``save()`` would give it, defaults applied, JSON as JSON (not a
+    string of it), times to the microsecond, an auto key numbered by the
+    database."""
+    owner = get_user_model().objects.create(username="erin")
+    when = timezone.now()
+
+    def usage(response_id: str) -> UsageRecord:
+        return UsageRecord(
+            response_id=response_id, owner=owner, model="m", kind=TaskKind.DIRECT,
+            status=Status.IN_PROGRESS, input_tokens=7, created_at=when,
+        )  # fmt: skip
+
+    def response(response_id: str) -> Response:
+        return Response(
+            id=response_id, owner=owner, model="m", params={"temperature": 0.5, "tools": []},
+            input=[{"role": "user", "content": [{"type": "input_text", "text": "é \"q\""}]}],
+            prompt="<|im_start|>", created_at=when,
+        )  # fmt: skip
+
+    response("resp_orm").save()
+    usage("resp_orm").save()
+    with connection.cursor() as cursor:
+        for obj in (response("resp_sql"), usage("resp_sql")):
+            table, columns = obj._meta.db_table, ", ".join(inserted_columns(type(obj)))
+            cursor.execute(
+                f"INSERT INTO {table} ({columns}) SELECT {columns}"
+                f" FROM jsonb_populate_record(NULL::{table}, %s::jsonb)",
+                [as_record(obj)],
+            )
+    for model, key in ((Response, "id"), (UsageRecord, "response_id")):
+        by_orm, by_sql = (
+            model.objects.filter(**{key: response_id}).values().get()
+            for response_id in ("resp_orm", "resp_sql")
+        )
+        assert by_sql.pop(key) == "resp_sql" and by_orm.pop(key) == "resp_orm"
+        if model is UsageRecord:
+            assert by_sql.pop("id") > by_orm.pop("id")
+        assert by_sql == by_orm
 
 
 def test_revoke_needs_a_whole_prefix():
