@@ -52,7 +52,7 @@ FAIR_ORDER = ("fair_key", "created_at", "id")
 
 # The fair key of a new task of %(owner)s for %(model)s, as a SELECT
 # expression: the clock, or the end of the owner's live tasks of the model if
-# later. Read under the owner's lock (``tasks_app.services.admit``), so that
+# later. Read under the owner's lock (``tasks_app.services.start_task``), so that
 # the owner's tasks get keys one after the other.
 FAIR_KEY_SQL = """
 GREATEST(
@@ -68,7 +68,7 @@ def lock_clock(task_id: str) -> ModelClock | None:
     """The clock of ``task_id``'s model, locked until the transaction ends: one
     statement once the model has a clock. None when there is no such task."""
     with connection.cursor() as cursor:
-        cursor.execute(LOCK_CLOCK_SQL, [task_id])
+        cursor.execute(LOCK_CLOCK_SQL, {"task": task_id})
         row = cursor.fetchone()
     if row is not None:
         return from_row(ModelClock, ["model", "virtual_time"], row)
@@ -77,10 +77,17 @@ def lock_clock(task_id: str) -> ModelClock | None:
     return None if model is None else locked_row(ModelClock, model=model)
 
 
-LOCK_CLOCK_SQL = """
-SELECT model, virtual_time FROM tasks_app_modelclock
- WHERE model = (SELECT model FROM tasks_app_task WHERE id = %s)
-   FOR UPDATE
+# The model of the task %(task)s names, whose clock its claim locks.
+CLAIMED_MODEL_SQL = "(SELECT model FROM tasks_app_task WHERE id = %(task)s)"
+LOCK_CLOCK_SQL = f"""
+SELECT model, virtual_time FROM tasks_app_modelclock WHERE model = {CLAIMED_MODEL_SQL} FOR UPDATE
+"""
+# The clock of a model's first claim (nothing when it exists or there is no such task).
+CREATE_CLOCK_SQL = """
+INSERT INTO tasks_app_modelclock (model, virtual_time)
+SELECT model, 0 FROM tasks_app_task AS task WHERE id = %(task)s
+   AND NOT EXISTS (SELECT FROM tasks_app_modelclock WHERE model = task.model)
+    ON CONFLICT (model) DO NOTHING
 """
 
 
@@ -91,15 +98,18 @@ def take_fairest(clock: ModelClock) -> Task | None:
     passed_over: list[int] = []  # owners at their running quota
     while True:
         with connection.cursor() as cursor:
-            cursor.execute(_fairest_sql(), [clock.model, Status.QUEUED.value, passed_over])
+            cursor.execute(
+                fairest_sql(),
+                {"model": clock.model, "queued": Status.QUEUED.value, "passed_over": passed_over},
+            )
             row = cursor.fetchone()
         if row is None:
             return None
-        task = _claimed_task(row)
+        task = picked_task(row)
         if quotas.may_start(task.owner_id, task.own_max_running):
             break
         passed_over.append(task.owner_id)
-    if task.fair_key > clock.virtual_time:
+    if task.fair_key > clock.virtual_time:  # as CLAIM_SQL's advance_clock
         clock.virtual_time = task.fair_key
         clock.save(update_fields=["virtual_time"])
     return task
@@ -107,46 +117,57 @@ def take_fairest(clock: ModelClock) -> Task | None:
 
 # The claim's pick, in SQL written once rather than compiled by the ORM at
 # every claim (a third of the claim's CPU, on the way to the first token): the
-# fairest queued task, locked (NO KEY UPDATE: rows only key-shared, by an event
-# or a position being written for the task, are not skipped), read with what
-# the run needs first (its response) and whether the owner has a running limit
-# of its own to check.
+# fairest queued task of %(model)s (an SQL expression), locked (NO KEY UPDATE:
+# rows only key-shared, by an event or a position being written for the task,
+# are not skipped), read with what the run needs first (its response, its
+# columns prefixed ``r_``) and whether the owner has a running limit of its
+# own to check (``own_max_running``).
 @functools.cache
-def _fairest_sql() -> str:
-    task = ", ".join(f't."{field.column}"' for field in Task._meta.concrete_fields)
-    response = ", ".join(f'r."{field.column}"' for field in _response_model()._meta.concrete_fields)
+def fairest_sql(model: str = "%(model)s") -> str:
+    task = ", ".join(f"t.{column}" for column in columns(Task))
+    response = ", ".join(f"r.{column} AS r_{column}" for column in columns(response_model()))
     order = ", ".join(f"t.{name}" for name in FAIR_ORDER)
     return f"""
 SELECT {task}, {response},
        (SELECT max_running FROM tasks_app_ownerquota WHERE owner_id = t.owner_id)
+           AS own_max_running
   FROM tasks_app_task AS t
-  JOIN {_response_model()._meta.db_table} AS r ON r.id = t.response_id
- WHERE t.model = %s AND t.status = %s AND NOT (t.owner_id = ANY(%s))
+  JOIN {response_model()._meta.db_table} AS r ON r.id = t.response_id
+ WHERE t.model = {model} AND t.status = %(queued)s AND NOT (t.owner_id = ANY(%(passed_over)s))
  ORDER BY {order}
  LIMIT 1
    FOR NO KEY UPDATE OF t SKIP LOCKED
 """
 
 
-def _claimed_task(row: tuple) -> Task:
-    """The task of a ``_fairest_sql`` row, its response and ``own_max_running`` set."""
-    task_names, response_names = _names(Task), _names(_response_model())
+def picked_task(row: tuple) -> Task:
+    """The task of a ``fairest_sql`` row (or of a row with the same columns),
+    its response and ``own_max_running`` set."""
+    task_names, response_names = _names(Task), _names(response_model())
     split = len(task_names)
     task = from_row(Task, task_names, row[:split])
     task.response = from_row(
-        _response_model(), response_names, row[split : split + len(response_names)]
+        response_model(), response_names, row[split : split + len(response_names)]
     )
     task.own_max_running = row[-1]
     return task
 
 
-def _response_model() -> type[Model]:
+def response_model() -> type[Model]:
+    """The model of a task's response (``responses_app``'s, which this app
+    does not import)."""
     return Task._meta.get_field("response").related_model
 
 
 @functools.cache
 def _names(model: type[Model]) -> list[str]:
     return [field.attname for field in model._meta.concrete_fields]
+
+
+@functools.cache
+def columns(model: type[Model]) -> list[str]:
+    """The columns of ``model``'s fields, in the order of ``_names``."""
+    return [field.column for field in model._meta.concrete_fields]
 
 
 # One statement: the task's rank in the fair order among its model's queued
