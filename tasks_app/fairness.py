@@ -109,7 +109,7 @@ def take_fairest(clock: ModelClock) -> Task | None:
         if quotas.may_start(task.owner_id, task.own_max_running):
             break
         passed_over.append(task.owner_id)
-    if task.fair_key > clock.virtual_time:  # as CLAIM_SQL's advance_clock
+    if task.fair_key > clock.virtual_time:  # as in the claim's one statement (lifecycle)
         clock.virtual_time = task.fair_key
         clock.save(update_fields=["virtual_time"])
     return task
@@ -124,8 +124,8 @@ def take_fairest(clock: ModelClock) -> Task | None:
 # own to check (``own_max_running``).
 @functools.cache
 def fairest_sql(model: str = "%(model)s") -> str:
-    task = ", ".join(f"t.{column}" for column in columns(Task))
-    response = ", ".join(f"r.{column} AS r_{column}" for column in columns(response_model()))
+    task = ", ".join(f't."{column}"' for column in columns(Task))
+    response = ", ".join(f'r."{column}" AS "r_{column}"' for column in columns(response_model()))
     order = ", ".join(f"t.{name}" for name in FAIR_ORDER)
     return f"""
 SELECT {task}, {response},

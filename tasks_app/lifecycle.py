@@ -152,10 +152,10 @@ claimed AS (
            started_at = coalesce(task.started_at, clock_timestamp()), lease_expires_at = %(lease)s
       FROM startable
      WHERE task.id = startable.id
- RETURNING {", ".join(f"task.{column}" for column in task_columns)}
+ RETURNING {", ".join(f'task."{column}"' for column in task_columns)}
 )
-SELECT {", ".join(f"claimed.{column}" for column in task_columns)},
-       {", ".join(f"picked.r_{column}" for column in response_columns)},
+SELECT {", ".join(f'claimed."{column}"' for column in task_columns)},
+       {", ".join(f'picked."r_{column}"' for column in response_columns)},
        picked.own_max_running
   FROM picked LEFT JOIN claimed ON claimed.id = picked.id
 """
@@ -177,7 +177,7 @@ def _claim_counting_running(task_id: str, worker: str) -> Task | None:
     task.attempt += 1
     task.worker = worker
     task.started_at = task.started_at or now
-    task.lease_expires_at = _lease_deadline()
+    task.lease_expires_at = _lease_deadline()  # as _claim_sql's claimed
     task.save(update_fields=["status", "attempt", "worker", "started_at", "lease_expires_at"])
     return task
 

@@ -68,7 +68,7 @@ def _insert_if_admitted(model: type[Model], record: str) -> str:
     is admitted, from the JSON ``record`` (an SQL expression: ``as_record``'s
     parameter, or that with columns set from ``admitted``)."""
     table = model._meta.db_table
-    columns = rows.inserted_columns(model)
+    columns = [f'"{column}"' for column in rows.inserted_columns(model)]
     return (
         f",\ninsert_{table} AS (\n    INSERT INTO {table} ({', '.join(columns)})\n"
         f"    SELECT {', '.join(columns)}\n"
