@@ -3,11 +3,12 @@
 Counting is race-free because every submit of an owner (in the statement of
 ``tasks_app.services.start_task``) and every claim that checks the owner's
 running limit (``lock_owner``; an owner without one is not counted) first
-locks the owner's ``OwnerQuota`` row and counts inside that transaction: of two requests at once,
-the second counts after the first has committed its task. Past the queued
-or token quota a submit is refused with ``429 rate_limited`` and a
-``Retry-After``; past the running quota nothing is refused, the owner's
-tasks just wait in the queue until one of its generations ends.
+locks the owner's ``OwnerQuota`` row and counts inside that transaction: of
+two requests at once, the second counts after the first has committed its
+task. Past the queued or token quota a submit is refused with ``429
+rate_limited`` and a ``Retry-After``; past the running quota nothing is
+refused, the owner's tasks just wait in the queue until one of its
+generations ends.
 """
 
 from __future__ import annotations
@@ -108,9 +109,11 @@ def _token_retry_after(owner_id: int, limit: int, now: datetime) -> int | None:
 
 def admit(owner_id: int, limits: Limits, waiting: int, now: datetime) -> None:
     """Refuse a request past the owner's queued-task or output-token quota
-    with 429. Call in the submit's transaction, with the owner's row locked
-    (``lock_owner``) and ``waiting``, its queued tasks, counted after;
-    ``now`` is the submit's time, from which the last minute is counted."""
+    with 429. ``waiting`` is the owner's queued tasks as the submit counted
+    them under the owner's lock (``services.start_task``), ``now`` the
+    submit's time, from which the last minute is counted: the output tokens
+    of that minute only grow, so a submit refused for them is refused here
+    too."""
     if limits.max_queued and waiting >= limits.max_queued:
         raise _rate_limited(
             f"{waiting} of your tasks are already waiting (your quota is "
