@@ -64,29 +64,33 @@ GREATEST(
 LIVE_VALUES = [status.value for status in LIVE]
 
 
-def lock_clock(task_id: str) -> ModelClock | None:
-    """The clock of ``task_id``'s model, locked until the transaction ends: one
-    statement once the model has a clock. None when there is no such task."""
+def lock_clock(task_id: str, model: str | None = None) -> ModelClock | None:
+    """The clock of ``model`` (else of ``task_id``'s model), locked until the
+    transaction ends: one statement once the model has a clock. None when
+    neither names a model."""
     with connection.cursor() as cursor:
-        cursor.execute(LOCK_CLOCK_SQL, {"task": task_id})
+        cursor.execute(LOCK_CLOCK_SQL, {"task": task_id, "model": model})
         row = cursor.fetchone()
     if row is not None:
         return from_row(ModelClock, ["model", "virtual_time"], row)
-    # The model's first claim (or no such task).
-    model = Task.objects.filter(id=task_id).values_list("model", flat=True).first()
+    # The model's first claim (or no model).
+    if model is None:
+        model = Task.objects.filter(id=task_id).values_list("model", flat=True).first()
     return None if model is None else locked_row(ModelClock, model=model)
 
 
-# The model of the task %(task)s names, whose clock its claim locks.
-CLAIMED_MODEL_SQL = "(SELECT model FROM tasks_app_task WHERE id = %(task)s)"
+# The model a claim is for: the one its message names, else that of the task
+# it was sent for (%(task)s), whose clock the claim locks.
+CLAIMED_MODEL_SQL = "coalesce(%(model)s, (SELECT model FROM tasks_app_task WHERE id = %(task)s))"
 LOCK_CLOCK_SQL = f"""
 SELECT model, virtual_time FROM tasks_app_modelclock WHERE model = {CLAIMED_MODEL_SQL} FOR UPDATE
 """
-# The clock of a model's first claim (nothing when it exists or there is no such task).
-CREATE_CLOCK_SQL = """
+# The clock of a model's first claim (nothing when it exists or there is no model).
+CREATE_CLOCK_SQL = f"""
 INSERT INTO tasks_app_modelclock (model, virtual_time)
-SELECT model, 0 FROM tasks_app_task AS task WHERE id = %(task)s
-   AND NOT EXISTS (SELECT FROM tasks_app_modelclock WHERE model = task.model)
+SELECT claimed.model, 0 FROM (SELECT {CLAIMED_MODEL_SQL} AS model) AS claimed
+ WHERE claimed.model IS NOT NULL
+   AND NOT EXISTS (SELECT FROM tasks_app_modelclock WHERE model = claimed.model)
     ON CONFLICT (model) DO NOTHING
 """
 

@@ -69,16 +69,18 @@ def _lease_deadline() -> timezone.datetime:
 
 def enqueue_on_commit(task: Task, queue: str) -> None:
     """Send the job once the task row is committed, so no worker sees it early."""
-    enqueue_on_commit_id(task.id, queue)
+    enqueue_on_commit_id(task.id, task.model, queue)
 
 
-def enqueue_on_commit_id(task_id: str, queue: str) -> None:
-    transaction.on_commit(lambda: send_job(task_id, queue))
+def enqueue_on_commit_id(task_id: str, model: str, queue: str) -> None:
+    transaction.on_commit(lambda: send_job(task_id, model, queue))
 
 
-def send_job(task_id: str, queue: str) -> None:
+def send_job(task_id: str, model: str, queue: str) -> None:
+    """The job of a queued task: a slot for its model (see ``claim``), so the
+    message names the model too; the task may be gone when it is taken."""
     try:
-        celery_app.send_task(RUN_TASK, args=[task_id], queue=queue)
+        celery_app.send_task(RUN_TASK, args=[task_id, model], queue=queue)
     except Exception as exc:  # broker down: the sweeper sends it again later
         log.warning("Could not enqueue %s (%s); the sweeper will retry", task_id, exc)
 
@@ -87,14 +89,19 @@ def _locked(task_id: str) -> Task | None:
     return Task.objects.select_for_update().filter(id=task_id).first()
 
 
-def claim(task_id: str, worker: str) -> Task | None:
-    """Take the fairest queued task of ``task_id``'s model for this worker (see
-    ``fairness``); None when that model has nothing this worker may start.
+def claim(task_id: str, worker: str, model: str | None = None) -> Task | None:
+    """Take the fairest queued task of ``model`` (the job's message names it;
+    else ``task_id``'s) for this worker (see ``fairness``); None when that
+    model has nothing this worker may start.
 
     A job's message is a slot for its model rather than a ticket for one
     task: every queued task has sent one, so every queued task is claimed by
     some message, and the order is decided here, not by the broker. Safe to
-    call from many threads, processes and machines at once.
+    call from many threads, processes and machines at once. The task a
+    message was sent for can be claimed through another message, end and be
+    discarded before this one is taken: the message's model keeps its slot
+    (a message without one, sent before it named its model, then claims
+    nothing and the sweeper sends the waiting task's job again).
 
     One statement string (``_claim_sql``), on the way to a lone request's
     first token, claims the fairest task unless its owner has a running
@@ -102,6 +109,7 @@ def claim(task_id: str, worker: str) -> Task | None:
     """
     claimed = {
         "task": task_id,
+        "model": model,
         "queued": Status.QUEUED.value,
         "passed_over": [],
         "max_running": settings.LMSP_QUOTA_MAX_RUNNING,
@@ -117,7 +125,7 @@ def claim(task_id: str, worker: str) -> Task | None:
     if row is None:
         return None  # nothing queued for the model (or no such task)
     if row[0] is None:  # picked, but its owner's running generations are to be counted
-        return _claim_counting_running(task_id, worker)
+        return _claim_counting_running(task_id, worker, model)
     return fairness.picked_task(row)
 
 
@@ -162,11 +170,11 @@ SELECT {", ".join(f'claimed."{column}"' for column in task_columns)},
 
 
 @transaction.atomic
-def _claim_counting_running(task_id: str, worker: str) -> Task | None:
+def _claim_counting_running(task_id: str, worker: str, model: str | None) -> Task | None:
     """``claim`` when the fairest task's owner has a running limit: the owner's
     row is locked and its running generations counted (``quotas.may_start``),
     and a slot its owner may not use goes to the next owner in the fair order."""
-    clock = fairness.lock_clock(task_id)
+    clock = fairness.lock_clock(task_id, model)
     if clock is None:
         return None
     task = fairness.take_fairest(clock)
@@ -349,7 +357,7 @@ def _resend_held_back(owner_id: int) -> None:
         return
     waiting = Task.objects.filter(owner_id=owner_id, status=Status.QUEUED)
     for model, task_id in waiting.order_by("model").distinct("model").values_list("model", "id"):
-        enqueue_on_commit_id(task_id, declared_models()[model].queue)
+        enqueue_on_commit_id(task_id, model, declared_models()[model].queue)
 
 
 def restore(task: Task) -> Restored:
@@ -483,7 +491,7 @@ def _resend(task_id: str, now: timezone.datetime, report: SweepReport) -> None:
             return
         task.enqueued_at = now  # sent now: the next look is a full period away
         task.save(update_fields=["enqueued_at"])
-    send_job(task.id, queue)
+    send_job(task.id, task.model, queue)
     report.resent.append(task.id)
 
 

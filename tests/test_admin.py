@@ -332,7 +332,7 @@ def test_cancel_action_flags_a_running_task(admin_client, alice):
 def test_requeue_action_puts_a_failed_task_back_in_the_queue(
     admin_client, alice, django_capture_on_commit_callbacks, monkeypatch
 ):
-    sent: list[tuple[str, str]] = []
+    sent: list[tuple[str, str, str]] = []
     monkeypatch.setattr(lifecycle, "send_job", lambda *job: sent.append(job))
     failed = make_response(alice, [message("user", "boom")], status="failed", attempt=3).task
     Task.objects.filter(pk=failed.pk).update(worker="dead@host", checkpoint={"token_ids": [1]})
@@ -347,7 +347,8 @@ def test_requeue_action_puts_a_failed_task_back_in_the_queue(
     html = answer.content.decode()
     assert "Re-queued 1 task(s)." in html
     assert f"Task {done.id} is completed; only a failed task can be re-queued." in html
-    assert sent == [(failed.id, "lmsp.model.smollm2-135m")]  # once the reset is committed
+    # once the reset is committed
+    assert sent == [(failed.id, "smollm2:135m", "lmsp.model.smollm2-135m")]
     failed.refresh_from_db()
     assert failed.status == Status.QUEUED
     assert failed.attempt == 3  # the fence: workers of attempts 1-3 stay locked out

@@ -276,6 +276,21 @@ def test_concurrent_claims_each_take_a_different_task_in_fair_order():
     assert set(taken) == {tasks[0].id, tasks[1].id, tasks[2].id, newcomer.id}
 
 
+@pytest.mark.parametrize("running_limit", [0, 1])
+def test_a_message_whose_task_is_gone_claims_for_its_model(settings, running_limit):
+    """A message is a slot for the model it names: its own task may have been
+    claimed through another message, ended and been discarded before it is
+    taken (seen in bench_concurrency: 16 direct requests on 8 slots, one left
+    queued), and it then claims the model's next task. Both claim paths."""
+    settings.LMSP_QUOTA_MAX_RUNNING = running_limit
+    first, second = new_task(), new_task()
+    assert lifecycle.claim(second.id, "w1", first.model).id == first.id
+    claimed = Task.objects.get(id=first.id)
+    assert lifecycle.finish(first.id, claimed.attempt, [], lifecycle.Outcome(Status.COMPLETED))
+    claimed.response.delete()  # discarded, with its task
+    assert lifecycle.claim(first.id, "w2", first.model).id == second.id
+
+
 def test_an_owner_at_its_running_quota_waits_until_a_generation_ends(settings):
     """A claim takes the fairest task, not the one its message names; an owner
     at its running quota is passed over until one of its generations ends."""

@@ -55,10 +55,12 @@ def worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def run_task(task_id: str, worker: str | None = None) -> str | None:
-    """Generate a queued task to its end; returns its final status, or None when
-    there was nothing to do (not queued any more) or the task was handed on."""
-    task = lifecycle.claim(task_id, worker or worker_name())
+def run_task(task_id: str, worker: str | None = None, model: str | None = None) -> str | None:
+    """Generate the fairest queued task of the job's model (``model``, else
+    ``task_id``'s: a job is a slot for its model, see ``lifecycle.claim``) to
+    its end; returns its final status, or None when there was nothing to do
+    or the task was handed on."""
+    task = lifecycle.claim(task_id, worker or worker_name(), model)
     if task is None:
         return None
     if task.model not in declared_models():  # removed from models.toml while queued

@@ -12,8 +12,8 @@ from . import runner
 
 
 @shared_task(name="workers.tasks.run_task")
-def run_task(task_id: str) -> str | None:
-    return runner.run_task(task_id)
+def run_task(task_id: str, model: str | None = None) -> str | None:
+    return runner.run_task(task_id, model=model)
 
 
 @shared_task(name="workers.tasks.sweep_tasks")
