@@ -14,13 +14,14 @@ submit: ``tasks_app.services.start_task``) writes what the ORM would.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
 from typing import TypeVar
 
 from django.db import connections
-from django.db.models import Model
+from django.db.models import Field, Model
 from psycopg.types.json import Json, Jsonb
 
 M = TypeVar("M", bound=Model)
@@ -39,10 +40,21 @@ def from_row(model: type[M], names: Sequence[str], values: Sequence, alias: str 
     return model.from_db(alias, list(names), converted)
 
 
+@functools.cache
+def columns(model: type[Model]) -> list[str]:
+    """The columns of ``model``'s fields, in the order of their attnames
+    (``_meta.concrete_fields``), for a SELECT written in SQL."""
+    return [field.column for field in model._meta.concrete_fields]
+
+
+def _inserted_fields(model: type[Model]) -> list[Field]:
+    meta = model._meta
+    return [field for field in meta.local_concrete_fields if field is not meta.auto_field]
+
+
 def inserted_columns(model: type[Model]) -> list[str]:
     """The columns an INSERT of ``model`` writes: all but an auto-incremented key."""
-    meta = model._meta
-    return [field.column for field in meta.local_concrete_fields if field is not meta.auto_field]
+    return [field.column for field in _inserted_fields(model)]
 
 
 def as_record(obj: Model, alias: str = "default") -> str:
@@ -50,12 +62,9 @@ def as_record(obj: Model, alias: str = "default") -> str:
     values prepared by their fields), as a JSON object keyed by column, for
     ``jsonb_populate_record``; an auto-incremented key is left out (the
     database numbers it)."""
-    meta = obj._meta
     connection = connections[alias]
     items = []
-    for field in meta.local_concrete_fields:
-        if field is meta.auto_field:
-            continue
+    for field in _inserted_fields(type(obj)):
         value = field.get_db_prep_save(field.pre_save(obj, True), connection)
         if isinstance(value, (Json, Jsonb)):  # a JSONField's, with the field's own encoder
             encoded = (value.dumps or json.dumps)(value.obj)

@@ -39,7 +39,7 @@ import functools
 from django.db import connection
 from django.db.models import Model, Q
 
-from lmsp_core.rows import from_row
+from lmsp_core.rows import columns, from_row
 from lmsp_core.status import Status
 
 from . import quotas
@@ -166,12 +166,6 @@ def response_model() -> type[Model]:
 @functools.cache
 def _names(model: type[Model]) -> list[str]:
     return [field.attname for field in model._meta.concrete_fields]
-
-
-@functools.cache
-def columns(model: type[Model]) -> list[str]:
-    """The columns of ``model``'s fields, in the order of ``_names``."""
-    return [field.column for field in model._meta.concrete_fields]
 
 
 # One statement: the task's rank in the fair order among its model's queued

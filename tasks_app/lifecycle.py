@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from generation.output import TEXT_DELTA_EVENTS, OutputAssembler
 from generation.registry import declared_models
-from lmsp_core import protocol
+from lmsp_core import protocol, rows
 from lmsp_core.errors import ProblemError, problem
 from lmsp_core.status import Status
 from lmsp_project.celery import app as celery_app
@@ -139,8 +139,8 @@ def claim(task_id: str, worker: str, model: str | None = None) -> Task | None:
 # was only picked) and its response's; none when nothing was picked.
 @functools.cache
 def _claim_sql() -> str:
-    task_columns = fairness.columns(Task)
-    response_columns = fairness.columns(fairness.response_model())
+    task_columns = rows.columns(Task)
+    response_columns = rows.columns(fairness.response_model())
     return f"""
 {fairness.CREATE_CLOCK_SQL};
 {fairness.LOCK_CLOCK_SQL};
