@@ -63,6 +63,12 @@ def _leaving(task: Task, cancel_if_left: bool) -> bool:
     return cancel_if_left and not getattr(task, "replayed", False)
 
 
+def _events(task: Task) -> AsyncIterator[StoredEvent | None]:
+    """The task's events from the first; those it was created with come from
+    the request that created it (a replay's task was read back, without them)."""
+    return follow_events(task.id, 0, getattr(task, "events_at_creation", ()))
+
+
 def _delivered_result(task_id: str) -> dict:
     task = Task.objects.select_related("response").get(id=task_id)
     body = protocol.response_object(task.response)
@@ -75,7 +81,7 @@ async def final_result(task: Task, cancel_if_left: bool) -> dict:
     (LMSP's shape, whatever its status); cancel it if the client leaves first
     (``cancel_if_left``, and not a replay)."""
     try:
-        async with aclosing(follow_events(task.id, 0)) as events:
+        async with aclosing(_events(task)) as events:
             async for _ in events:
                 pass
     except asyncio.CancelledError:
@@ -92,7 +98,7 @@ async def delivered_events(task: Task, cancel_if_left: bool) -> AsyncIterator[St
     it is, unless it was stored."""
     delivered = client_gone = False
     try:
-        async with aclosing(follow_events(task.id, 0)) as events:
+        async with aclosing(_events(task)) as events:
             async for event in events:
                 yield event
         delivered = True

@@ -131,7 +131,7 @@ def start_task(
         input_tokens=input_tokens,
         created_at=now,
     )
-    (created_event,) = EventLog.numbered(task, [protocol.created_event(response.pk)])[1]
+    announced, (created_event,) = EventLog.numbered(task, [protocol.created_event(response.pk)])
     params = {
         "owner": owner.pk,
         "model": spec.id,
@@ -160,6 +160,8 @@ def start_task(
             headers={"Retry-After": "10"},
         )
     task.fair_key = fair_key
+    # What its first follower in this process need not read back (``streams``).
+    task.events_at_creation = announced
     lifecycle.enqueue_on_commit(task, spec.queue)
     return task
 

@@ -33,7 +33,7 @@ import logging
 import resource
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 
 from asgiref.sync import SyncToAsync
@@ -222,6 +222,22 @@ class TaskFeed:
             return
         self._apply(events)
 
+    def seed(self, events: Sequence[StoredEvent]) -> None:
+        """Start a new feed from the events its task was created with, known
+        to the process that created it, instead of reading them back: the
+        read would run beside the worker's claim of the task, on the way to
+        its first token. The hub listens already; a message sent before it
+        did leaves a gap that the next message (or the position read, due
+        while the task is queued) fills from the database."""
+        if self.ready or self._pending or not events:
+            return
+        self._restart_window(events[0].id - 1)
+        for event in events:
+            self._append(event.id, event.event, event.data)
+        self.task_queued = True
+        self._need_read = False
+        self.ready = True
+
     def request_read(self) -> None:
         self._need_read = True
         self._wake.set()
@@ -301,14 +317,17 @@ class TaskFeed:
                     if hub.healthy
                     else settings.LMSP_STREAM_POLL_SECONDS
                 )
-                if self.task_queued and self.queue_position is None:  # read it when due
+                for_position = self.task_queued and self.queue_position is None
+                if for_position:  # read it when due
                     loop = asyncio.get_running_loop()
                     interval = min(interval, max(0.0, self._position_due - loop.time()))
                 try:
                     async with asyncio.timeout(interval):
                         await self._wake.wait()
                 except TimeoutError:
-                    self._need_read = True  # the safety check (or, without Redis, the poll)
+                    # the safety check (or, without Redis, the poll), or the queue
+                    # position's read, unless events said meanwhile that the task runs
+                    self._need_read = not for_position or self.task_queued
             self._wake.clear()
 
     async def _refresh(self) -> None:
@@ -373,12 +392,13 @@ def _on_hub_change() -> None:
 hub.on_reconnect = _on_hub_change
 
 
-def _acquire(task_id: str) -> TaskFeed:
+def _acquire(task_id: str, known: Sequence[StoredEvent] = ()) -> TaskFeed:
     feed = _feeds.get(task_id)
     if feed is None or feed.closed:
         feed = TaskFeed(task_id)
         _feeds[task_id] = feed
         hub.listen(task_id, feed.on_message)  # before the feed's first read
+        feed.seed(known)
     feed.followers += 1
     return feed
 
@@ -406,10 +426,13 @@ def lmsp_frame(event: StoredEvent | None) -> bytes:
     return KEEPALIVE_FRAME if event is None else sse_frame(event.id, event.event, event.data)
 
 
-async def follow_events(task_id: str, after: int) -> AsyncIterator[StoredEvent | None]:
+async def follow_events(
+    task_id: str, after: int, known: Sequence[StoredEvent] = ()
+) -> AsyncIterator[StoredEvent | None]:
     """The events ``follow`` sends, one by one (``None``: time for a keep-alive),
-    for readers that speak another stream format than LMSP's."""
-    async with aclosing(_deliveries(task_id, after, with_events=True)) as deliveries:
+    for readers that speak another stream format than LMSP's. ``known``: the
+    events of a task this process has just created (``TaskFeed.seed``)."""
+    async with aclosing(_deliveries(task_id, after, True, known=known)) as deliveries:
         async for delivery in deliveries:
             if isinstance(delivery, bytes):
                 yield None
@@ -423,6 +446,7 @@ async def _deliveries(
     after: int,
     with_events: bool,
     release: Callable[[], None] | None = None,
+    known: Sequence[StoredEvent] = (),
 ) -> AsyncIterator[tuple[bytes, list[StoredEvent]] | bytes]:
     """What ``follow`` sends: frames joined in one chunk (with ``with_events``,
     as a pair with the events they carry), or a keep-alive comment when one
@@ -430,7 +454,7 @@ async def _deliveries(
     standing at the same id. One generator per follower, the only object a
     waiting stream holds besides its connection; ``release`` is called when
     it ends."""
-    feed = _acquire(task_id)
+    feed = _acquire(task_id, known)
     loop = asyncio.get_running_loop()
     waiter = _Waiter()
     keepalive = settings.LMSP_KEEPALIVE_SECONDS

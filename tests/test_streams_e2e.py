@@ -6,17 +6,25 @@ documents."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import threading
 import time
+from contextlib import aclosing
 from pathlib import Path
 
 import pytest
+from django.contrib.auth import get_user_model
 from django.db import connection, connections, transaction
 
-from tasks_app.models import UsageRecord
+from lmsp_core.status import FINAL_STATUSES
+from responses_app.serializers import validate_response_request
+from responses_app.submit import submit
+from tasks_app import event_reader
+from tasks_app.models import Task, TaskKind, UsageRecord
 from tasks_app.retention import prune_events
+from tasks_app.streams import follow_events
 
 from .conftest import LONG_STORY, make_token, parse_sse, request_body, user_message
 from .stack import Proc
@@ -379,3 +387,31 @@ def test_late_joiner_replays_a_long_history_in_pages(api, stack, token):
     assert_contiguous(first, done)
     for follower in late:
         assert follower.finish() == first
+
+
+def test_a_direct_stream_started_from_its_first_events_gets_those_it_missed(stack, token):
+    """The process that creates a direct task starts its stream from the events
+    the task was created with, reading nothing back (``TaskFeed.seed``): the
+    read would run beside the worker's claim. The worker may write, and
+    publish to nobody, more events before the stream listens; here the whole
+    answer. The stream still gets every event, in order, and ends."""
+    owner = get_user_model().objects.get(username="alice")
+    request = validate_response_request(request_body(stream=True, max_output_tokens=4))
+    task = submit(owner, request, kind=TaskKind.DIRECT, idempotency_key=None)
+    assert [e.id for e in task.events_at_creation] == [1]
+    deadline = time.monotonic() + 120
+    while (done := Task.objects.get(id=task.id)).status not in FINAL_STATUSES:
+        assert time.monotonic() < deadline, done.status
+        time.sleep(0.05)
+
+    async def follow() -> list:
+        try:
+            async with aclosing(follow_events(task.id, 0, task.events_at_creation)) as events:
+                return [event async for event in events if event is not None]
+        finally:  # this loop's pool, whose connections would outlive the test
+            await event_reader._pools.pop(asyncio.get_running_loop()).close()
+
+    events = asyncio.run(asyncio.wait_for(follow(), 60))
+    assert events[0] == task.events_at_creation[0]
+    assert [e.id for e in events] == list(range(1, done.last_event_id + 1))
+    assert events[-1].event in FINAL_EVENTS
