@@ -229,7 +229,7 @@ class TaskFeed:
         its first token. The hub listens already; a message sent before it
         did leaves a gap that the next message (or the position read, due
         while the task is queued) fills from the database."""
-        if self.ready or self._pending or not events:
+        if self.ready or not events:  # only a new feed starts from them
             return
         self._restart_window(events[0].id - 1)
         for event in events:
