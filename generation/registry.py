@@ -16,6 +16,9 @@ from lmsp_core.errors import ProblemError
 
 CAPABILITIES = frozenset({"tools", "structured_output", "reasoning", "conversations"})
 SOURCES = frozenset({"gguf-package", "folder"})
+DTYPES = frozenset({"auto", "float32", "bfloat16", "float16"})
+ATTENTION_KERNELS = frozenset({"sdpa", "eager"})
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,21 @@ class ModelSpec:
     package: str = ""
     file: str = ""
     path: str = ""
+    # How a worker runs it (workers.loading): "auto" picks cuda when there is
+    # one (bfloat16 there, float32 on a CPU).
+    dtype: str = "auto"
+    device: str = "auto"
+    attention: str = "sdpa"
+    # Tokens of keys and values a worker holds for it, running requests and
+    # prefix cache together (0: derived, see workers.loading); at least the
+    # context window, so that any one request fits alone.
+    kv_budget_tokens: int = 0
+    # On a GPU without kv_budget_tokens: the share of its memory this model
+    # may fill, weights included.
+    gpu_memory_fraction: float = 0.85
+    # Prompt tokens computed per decoding step (0: by device, workers.loading).
+    prefill_chunk_tokens: int = 0
+    prefix_cache: bool = True
 
     @property
     def slug(self) -> str:
@@ -40,6 +58,11 @@ class ModelSpec:
     def queue(self) -> str:
         """The Celery queue whose workers serve this model."""
         return f"{settings.LMSP_QUEUE_PREFIX}.{self.slug}"
+
+    def worker_queue(self, worker: str) -> str:
+        """The queue of one worker's own jobs for this model: a conversation's
+        next turn, sent where its earlier turns are cached."""
+        return f"{self.queue}@{worker}"
 
     def has(self, capability: str) -> bool:
         return capability in self.capabilities
@@ -72,14 +95,44 @@ def parse_registry(text: str) -> dict[str, ModelSpec]:
             package=entry.get("package", ""),
             file=entry.get("file", ""),
             path=entry.get("path", ""),
+            dtype=entry.get("dtype", ModelSpec.dtype),
+            device=entry.get("device", ModelSpec.device),
+            attention=entry.get("attention", ModelSpec.attention),
+            kv_budget_tokens=int(entry.get("kv_budget_tokens", ModelSpec.kv_budget_tokens)),
+            gpu_memory_fraction=float(
+                entry.get("gpu_memory_fraction", ModelSpec.gpu_memory_fraction)
+            ),
+            prefill_chunk_tokens=int(
+                entry.get("prefill_chunk_tokens", ModelSpec.prefill_chunk_tokens)
+            ),
+            prefix_cache=bool(entry.get("prefix_cache", ModelSpec.prefix_cache)),
         )
-        unknown = set(spec.capabilities) - CAPABILITIES
-        if spec.source not in SOURCES or unknown or spec.max_batch < 1:
-            raise ValueError(f"models.toml: bad entry {spec.id!r} (source or {sorted(unknown)})")
+        problem = _bad_setting(spec)
+        if problem:
+            raise ValueError(f"models.toml: bad entry {spec.id!r}: {problem}")
         if spec.id in specs:
             raise ValueError(f"models.toml: {spec.id!r} is declared twice")
         specs[spec.id] = spec
     return specs
+
+
+def _bad_setting(spec: ModelSpec) -> str | None:
+    unknown = set(spec.capabilities) - CAPABILITIES
+    checks = [
+        (spec.source in SOURCES, f"source {spec.source!r}"),
+        (not unknown, f"capabilities {sorted(unknown)}"),
+        (spec.max_batch >= 1, "max_batch below 1"),
+        (spec.dtype in DTYPES, f"dtype {spec.dtype!r} (one of {sorted(DTYPES)})"),
+        (bool(_DEVICE.fullmatch(spec.device)), f"device {spec.device!r} (auto, cpu, cuda:N)"),
+        (spec.attention in ATTENTION_KERNELS, f"attention {spec.attention!r}"),
+        (
+            spec.kv_budget_tokens == 0 or spec.kv_budget_tokens >= spec.context_window,
+            "kv_budget_tokens below the context window (a request must fit alone)",
+        ),
+        (0 < spec.gpu_memory_fraction <= 1, "gpu_memory_fraction outside (0, 1]"),
+        (spec.prefill_chunk_tokens >= 0, "prefill_chunk_tokens below 0"),
+    ]
+    return next((problem for ok, problem in checks if not ok), None)
 
 
 @functools.cache

@@ -7,6 +7,7 @@ worker uses today): batching must change throughput, never answers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -18,7 +19,6 @@ from generation import prompts
 from generation.params import GenerationParams
 from generation.registry import get_model
 from generation.tokens import prompt_tokenizer
-from workers import batching as batching_module
 from workers import constraints, engine
 from workers.batching import BatchingEngine, Generation, engine_for
 from workers.loading import load_model
@@ -219,31 +219,6 @@ def test_a_request_joins_while_others_decode(lm, requests, batching):
         assert_same(lm, ids, alone, gen)
 
 
-def test_a_held_request_keeps_the_batch_from_its_next_step_until_released(
-    lm, requests, batching, monkeypatch
-):
-    """The first token's writer gets the CPU to itself: after a request
-    submitted with ``hold_after_first`` gets its first token, no row steps on
-    until it is released, and then every row goes on as it would have."""
-    monkeypatch.setattr(batching_module, "HOLD_SECONDS", 600.0)  # only the release ends it
-    (ids0, limit0, alone0), (ids1, limit1, alone1) = requests[5], requests[6]
-    running = batching.submit(ids0, greedy(limit0))
-    wait_for_tokens(running, 3)
-    held = batching.submit(ids1, greedy(limit1), hold_after_first=True)
-    tokens = held.stream(timeout=120)
-    try:
-        assert next(tokens) == alone1[0]
-        steps_before = len(running.token_ids)
-        time.sleep(0.5)  # several decoding steps' time on this machine
-        assert len(running.token_ids) == steps_before and len(held.token_ids) == 1
-    finally:
-        held.release()  # a failure here must not hold the module's engine
-    assert [alone1[0], *tokens] == alone1
-    assert running.wait(300)
-    assert_same(lm, ids0, alone0, running)
-    assert_same(lm, ids1, alone1, held)
-
-
 def test_resuming_from_a_prefix_continues_as_an_uninterrupted_run(lm, requests, batching):
     params = PERSON_PARAMS
     grammar = constraints.compiled_grammar(lm, params)
@@ -292,3 +267,87 @@ def test_one_engine_per_loaded_model(lm):
     second = engine_for(lm)
     assert second is not first
     second.close(timeout=60)
+
+
+# --- the engine II: chunks, the prefix cache, the budget -----------------------------------
+
+
+def test_prompts_computed_in_chunks_beside_decoding_rows_answer_as_alone(lm, requests):
+    """A chunk of 8 tokens a step: every prompt takes several steps, beside the
+    rows already decoding, and every answer is still the one it gets alone."""
+    chunked = BatchingEngine(lm, max_batch=8, chunk_tokens=8)
+    try:
+        first = [chunked.submit(ids, greedy(limit)) for ids, limit, _ in requests[:4]]
+        wait_for_tokens(first[0], 2)
+        later = [chunked.submit(ids, greedy(limit)) for ids, limit, _ in requests[4:]]
+        for gen in first + later:
+            assert gen.wait(300)
+    finally:
+        chunked.close(timeout=60)
+    for (ids, _, alone), gen in zip(requests, first + later, strict=True):
+        assert_same(lm, ids, alone, gen)
+    assert chunked.stats().counts.prompt_tokens_computed == sum(len(r[0]) for r in requests)
+
+
+def test_a_follow_up_reuses_its_conversation_and_answers_as_computed_whole(lm, requests):
+    ids, limit, alone = requests[2]
+    cached = BatchingEngine(lm, max_batch=8)
+    uncached = BatchingEngine(lm, max_batch=8, prefix_cache=False)
+    try:
+        first = cached.submit(ids, greedy(limit))
+        assert first.wait(300) and first.token_ids == alone
+        # the next turn: the history as the model wrote it, then a new message
+        next_turn = "<|im_end|>\n<|im_start|>user\nShorter?<|im_end|>\n<|im_start|>assistant\n"
+        turn = lm.tokenizer(next_turn, add_special_tokens=False)["input_ids"]
+        follow_up_ids = [*ids, *alone[:-1], *turn]
+        follow_up = cached.submit(follow_up_ids, greedy(24))
+        whole = uncached.submit(follow_up_ids, greedy(24))
+        assert follow_up.wait(300) and whole.wait(300)
+    finally:
+        cached.close(timeout=60)
+        uncached.close(timeout=60)
+    assert follow_up.cached_tokens == len(ids) + len(alone) - 1  # all it fed: not its end
+    assert whole.cached_tokens == 0
+    assert follow_up.token_ids == whole.token_ids == generate_alone(lm, follow_up_ids, 24)
+    counts = cached.stats().counts
+    assert counts.prefix_hits == 1 and counts.prefix_tokens_reused == follow_up.cached_tokens
+
+
+def test_a_request_without_room_is_preempted_and_its_resume_continues_exactly(lm, requests):
+    """Two requests whose prompts fit together but whose answers do not: the
+    one admitted last leaves as ``preempted`` when memory runs out, and
+    resumed from its tokens (as the worker does from its checkpoint) it ends
+    as it would have alone."""
+    (ids0, limit0, alone0), (ids1, limit1, alone1) = requests[5], requests[6]
+    budget = len(ids0) + len(ids1) + 20
+    small = BatchingEngine(lm, max_batch=8, token_budget=budget)
+    try:
+        first = small.submit(ids0, greedy(limit0))
+        second = small.submit(ids1, greedy(limit1))
+        assert first.wait(300) and second.wait(300)
+        assert first.finish_reason == "length" and second.finish_reason == "preempted"
+        assert 0 < len(second.token_ids) < limit1
+        resumed = small.submit(
+            ids1, greedy(limit1 - len(second.token_ids)), generated_ids=second.token_ids
+        )
+        assert resumed.wait(300)
+    finally:
+        small.close(timeout=60)
+    assert_same(lm, ids0, alone0, first)
+    assert second.token_ids + resumed.token_ids == alone1
+    assert small.stats().counts.preemptions == 1
+
+
+def test_the_eager_kernel_batches_as_the_sdpa_one(lm, requests):
+    eager_lm = load_model(dataclasses.replace(lm.spec, attention="eager"))
+    assert eager_lm.model.config._attn_implementation == "lmsp_eager"
+    eager = BatchingEngine(eager_lm, max_batch=8, chunk_tokens=16)
+    try:
+        gens = [eager.submit(ids, greedy(limit)) for ids, limit, _ in requests[:3]]
+        for gen in gens:
+            assert gen.wait(300)
+    finally:
+        eager.close(timeout=60)
+    for (ids, limit, _), gen in zip(requests[:3], gens, strict=True):
+        assert gen.error is None
+        assert gen.token_ids == generate_alone(eager_lm, ids, limit)

@@ -4,29 +4,16 @@ Why: a worker that runs one ``model.generate`` at a time leaves most of the
 hardware idle; decoding 8 sequences in one forward pass costs little more
 than decoding one (about 5x the aggregate tokens/s on the 2-core CPU, far
 more on a GPU). A static batch would make a new request wait until the
-whole batch drains, so the batch is rebuilt between decoding steps instead
-(iteration-level, or continuous, batching, as TGI's pre-flash
-``CausalLMBatch`` did): a request joins at the next step and leaves as soon
-as it ends.
+whole batch drains, so the batch is planned again at every step instead
+(iteration-level, or continuous, batching): a request joins at the next
+step and leaves as soon as it ends.
 
-How a batch is kept (``_Batch``): one row per generation over a
-left-padded KV cache (a transformers ``DynamicCache``, ``[rows, heads,
-positions, head_dim]`` per layer). Beside it, per row: the token to feed
-next, a 0/1 attention mask over the cache positions (0 = left padding) and
-the position id of that token, so RoPE sees each row's own positions. New
-requests are prefilled (their prompt plus any tokens an earlier attempt
-generated; those joining at the same step in one pass, packed end to end
-without padding), their first token sampled from that prefill, and their
-caches then merged into the running batch, padded on the left to the
-longest row (``concatenate``). A finished or cancelled row is dropped at once
-(``filter``), and the cache columns that were padding in every remaining
-row are cut off.
-
-Per generation the engine keeps its temperature (0 = greedy), token limit,
-end-of-sequence ids, an optional xgrammar matcher (one row of a batched
-token bitmask per constrained row) and the caller's callback. All model
-calls happen on the engine's own thread; callers only submit, cancel and
-wait. See ``BatchingEngine`` for the contract.
+The engine is three parts, as vLLM's engine core is: the scheduler
+(``scheduler``, plain Python) decides what each step computes and what
+memory each request holds; the model runner (``model_runner``) computes
+it and samples; and this loop, the one place that turns their results
+into what callers see, hands each token to its ``Generation`` and ends
+it. ``schedule() -> execute() -> update()``, then deliver, once per step.
 """
 
 from __future__ import annotations
@@ -38,27 +25,23 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import xgrammar as xgr
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from .engine import Sampling
 from .loading import LoadedModel
+from .model_runner import ModelRunner, RowSampling
+from .scheduler import Request, RequestStatus, Scheduler, SchedulerStats
 
 log = logging.getLogger(__name__)
 
-FinishReason = Literal["eos", "length", "stopped", "cancelled", "error"]
+FinishReason = Literal["eos", "length", "stopped", "cancelled", "preempted", "error"]
 TokenCallback = Callable[[int], "bool | None"]
 
 _STREAM_END = object()
-
-# The longest the batch waits for a request submitted with
-# ``hold_after_first`` to release it (normally a few milliseconds: the time
-# its caller takes to write the first token).
-HOLD_SECONDS = 0.05
 
 
 class Generation:
@@ -68,23 +51,23 @@ class Generation:
     included when the model chose one), ``finish_reason`` is set once it has
     left the engine: ``eos`` (the model ended it), ``length``
     (``max_new_tokens`` reached), ``stopped`` (the callback asked),
-    ``cancelled`` (``cancel()`` or the engine closed) or ``error`` (then
-    ``error`` holds the exception; only this request is affected).
+    ``cancelled`` (``cancel()`` or the engine closed), ``preempted`` (its
+    memory was needed by requests admitted before it: the caller resumes it
+    later, from its tokens so far) or ``error`` (then ``error`` holds the
+    exception; only this request is affected).
     """
 
-    def __init__(self, request_id: int, streamed: bool, held: bool = False) -> None:
+    def __init__(self, request_id: int, streamed: bool) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.error: BaseException | None = None
+        self.cached_tokens = 0  # prompt tokens taken from the prefix cache
         self.submitted_at = time.monotonic()
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self._cancel_requested = False
         self._finished = threading.Event()
-        self._released = threading.Event()
-        if not held:
-            self._released.set()
         self._stream: queue.SimpleQueue | None = queue.SimpleQueue() if streamed else None
 
     def cancel(self) -> None:
@@ -93,11 +76,6 @@ class Generation:
         Safe from any thread; a no-op once it has finished.
         """
         self._cancel_requested = True
-
-    def release(self) -> None:
-        """Let the batch take its next step (see ``submit``'s ``hold_after_first``);
-        safe from any thread, and more than once."""
-        self._released.set()
 
     @property
     def cancel_requested(self) -> bool:
@@ -146,6 +124,7 @@ class Generation:
             self.first_token_at = time.monotonic()
         self.token_ids.append(token_id)
         if on_token is None:
+            assert self._stream is not None
             self._stream.put(token_id)
             return False
         return bool(on_token(token_id))
@@ -161,199 +140,76 @@ class Generation:
         self._finished.set()
 
 
-class _Sequence:
-    """What the engine keeps for one generation beside its batch row."""
+@dataclass(frozen=True)
+class EngineStats:
+    """What an engine holds now, and its counts since it started (``/metrics``)."""
 
-    def __init__(
-        self,
-        generation: Generation,
-        input_ids: list[int],
-        sampling: Sampling,
-        eos_token_ids: frozenset[int],
-        grammar: xgr.CompiledGrammar | None,
-        generated_ids: list[int],
-        on_token: TokenCallback | None,
-    ) -> None:
-        self.generation = generation
-        self.input_ids = input_ids  # prompt + tokens generated before (resume)
-        self.temperature = sampling.temperature
-        self.max_new_tokens = sampling.max_new_tokens
-        self.eos_token_ids = eos_token_ids
-        self.grammar = grammar
-        self.generated_ids = generated_ids
-        self.on_token = on_token
-        self.matcher: xgr.GrammarMatcher | None = None
+    token_budget: int
+    reserved_tokens: int  # the running requests'
+    cached_tokens: int  # the prefix cache's
+    cache_entries: int
+    running: int
+    waiting: int
+    counts: SchedulerStats
+    # Tokens the tensors of keys and values have room for (grown in steps), and their peak.
+    allocated_tokens: int
+    peak_allocated_tokens: int
 
-    def start_matcher(self) -> None:
-        """A grammar matcher advanced through the tokens generated before."""
-        if self.grammar is None:
-            return
-        # The stop tokens are this request's end tokens, so a completed grammar
-        # leaves the model nothing but the end of its turn to sample.
-        matcher = xgr.GrammarMatcher(self.grammar, override_stop_tokens=sorted(self.eos_token_ids))
-        for position, token_id in enumerate(self.generated_ids):
-            if not matcher.accept_token(token_id):
-                raise ValueError(f"Generated token {token_id} at {position} breaks the grammar.")
-        self.matcher = matcher
-
-    def take(self, token_id: int) -> bool:
-        """Hand a sampled token to the caller; True when this generation has ended."""
-        generation = self.generation
-        if generation.cancel_requested:
-            generation._finish("cancelled")
-            return True
-        is_end = token_id in self.eos_token_ids
-        try:
-            # An end token ends the request anyway, and the solo path never
-            # feeds it to its matcher either.
-            if self.matcher is not None and not is_end and not self.matcher.accept_token(token_id):
-                raise RuntimeError(f"Sampled token {token_id} breaks the grammar.")
-            stop = generation._deliver(token_id, self.on_token)
-        except Exception as exc:  # the caller's callback: only this request fails
-            log.warning(
-                "Generation %s failed in its callback", generation.request_id, exc_info=True
-            )
-            generation._finish("error", exc)
-            return True
-        if is_end:
-            generation._finish("eos")
-        elif stop:
-            generation._finish("stopped")
-        elif len(generation.token_ids) >= self.max_new_tokens:
-            generation._finish("length")
-        else:
-            return False
-        return True
-
-
-class _Batch:
-    """Rows decoding together over one left-padded KV cache (the TGI scheme).
-
-    Invariant: ``attention_mask`` has one column per cache position (0 for
-    left padding); ``next_ids`` and ``position_ids`` hold, per row, the token
-    the next forward pass feeds and its position in that row's own sequence.
-    """
-
-    def __init__(
-        self,
-        sequences: list[_Sequence],
-        cache: DynamicCache,
-        attention_mask: torch.Tensor,
-        next_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-    ) -> None:
-        self.sequences = sequences
-        self.cache = cache
-        self.attention_mask = attention_mask
-        self.next_ids = next_ids
-        self.position_ids = position_ids
-        self.padded = bool((attention_mask == 0).any())
-
-    def __len__(self) -> int:
-        return len(self.sequences)
-
-    @staticmethod
-    def concatenate(batches: list[_Batch]) -> _Batch:
-        """One batch of all rows, each cache left-padded to the longest."""
-        if len(batches) == 1:
-            return batches[0]
-        width = max(batch.attention_mask.shape[1] for batch in batches)
-        rows = sum(len(batch) for batch in batches)
-        first = batches[0]
-        attention_mask = first.attention_mask.new_zeros((rows, width))
-        start = 0
-        for batch in batches:
-            end = start + len(batch)
-            attention_mask[start:end, width - batch.attention_mask.shape[1] :] = (
-                batch.attention_mask
-            )
-            start = end
-        for layer_index, layer in enumerate(first.cache.layers):
-            for name in ("keys", "values"):
-                like = getattr(layer, name)
-                merged = like.new_zeros((rows, like.shape[1], width, like.shape[3]))
-                start = 0
-                for batch in batches:
-                    part = getattr(batch.cache.layers[layer_index], name)
-                    end = start + len(batch)
-                    merged[start:end, :, width - part.shape[2] :] = part
-                    start = end
-                setattr(layer, name, merged)
-        return _Batch(
-            [sequence for batch in batches for sequence in batch.sequences],
-            first.cache,
-            attention_mask,
-            torch.cat([batch.next_ids for batch in batches]),
-            torch.cat([batch.position_ids for batch in batches]),
-        )
-
-    def filter(self, keep: list[int]) -> _Batch | None:
-        """The batch of the rows at ``keep`` only, without padding none of them needs."""
-        if not keep:
-            return None
-        if len(keep) == len(self):
-            return self
-        index = torch.tensor(keep, device=self.attention_mask.device)
-        attention_mask = self.attention_mask.index_select(0, index)
-        used = attention_mask.any(dim=0).nonzero()
-        cut = int(used[0]) if len(used) else attention_mask.shape[1]
-        attention_mask = attention_mask[:, cut:]
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, index)[:, :, cut:]
-            layer.values = layer.values.index_select(0, index)[:, :, cut:]
-        return _Batch(
-            [self.sequences[i] for i in keep],
-            self.cache,
-            attention_mask,
-            self.next_ids.index_select(0, index),
-            self.position_ids.index_select(0, index),
-        )
-
-
-def _packed_causal_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
-    """The 4D boolean sdpa mask of sequences packed end to end in one row: each
-    token sees the earlier tokens of its own sequence only."""
-    owner = torch.repeat_interleave(
-        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
-    )
-    position = torch.arange(len(owner), device=device)
-    mask = (owner[:, None] == owner[None, :]) & (position[:, None] >= position[None, :])
-    return mask[None, None]
+    @property
+    def held_tokens(self) -> int:
+        return self.reserved_tokens + self.cached_tokens
 
 
 class BatchingEngine:
-    """Runs up to ``max_batch`` generations of one model at once, on one thread.
+    """Runs up to ``max_batch`` generations of one model at once, on one thread,
+    within ``token_budget`` tokens of keys and values (running requests and
+    the prefix cache together), computing prompts ``chunk_tokens`` at a time.
 
     ``submit`` queues a request and returns its ``Generation`` at once; the
-    request joins the running batch before the next decoding step. For every
-    token it samples, the engine calls ``on_token(token_id)`` on the engine
-    thread (end tokens included, as ``workers.engine.generate`` does); a
-    truthy return ends that request (``stopped``). Without ``on_token`` the
-    tokens go to ``Generation.stream()``. Callbacks must be quick: every row
-    of the batch waits for them. An exception in one is logged and ends only
-    that request (``error``). ``Generation.cancel()`` drops the request
-    before its next token. ``close()`` stops the thread and cancels
-    whatever is left.
+    request is admitted before the next decoding step if its prompt fits in
+    the budget (else it waits, in ``priority`` order). For every token it
+    samples, the engine calls ``on_token(token_id)`` on the engine thread
+    (end tokens included, as ``workers.engine.generate`` does); a truthy
+    return ends that request (``stopped``). Without ``on_token`` the tokens
+    go to ``Generation.stream()``. Callbacks must be quick: every row of the
+    batch waits for them. An exception in one is logged and ends only that
+    request (``error``). ``Generation.cancel()`` drops the request before its
+    next token. ``close()`` stops the thread and cancels whatever is left.
     """
 
-    def __init__(self, lm: LoadedModel, max_batch: int = 8, name: str | None = None) -> None:
-        if max_batch < 1:
-            raise ValueError("max_batch must be at least 1")
+    def __init__(
+        self,
+        lm: LoadedModel,
+        max_batch: int = 8,
+        token_budget: int | None = None,
+        chunk_tokens: int | None = None,
+        prefix_cache: bool | None = None,
+        name: str | None = None,
+    ) -> None:
+        spec = lm.spec
         self.lm = lm
-        self.model = lm.model
         self.max_batch = max_batch
-        self.vocab_size = lm.model.config.vocab_size
         self.default_eos = frozenset(lm.eos_token_ids)
-        self._bitmask = xgr.allocate_token_bitmask(max_batch, self.vocab_size)
+        self.scheduler = Scheduler(
+            max_batch=max_batch,
+            token_budget=token_budget or lm.token_budget,
+            chunk_tokens=chunk_tokens or lm.chunk_tokens,
+            prefix_cache=spec.prefix_cache if prefix_cache is None else prefix_cache,
+        )
+        self.runner = ModelRunner(lm.model, max_batch)
         self._ids = itertools.count(1)
-        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._inbox: collections.deque[Request] = collections.deque()
+        self._generations: dict[int, tuple[Generation, TokenCallback | None]] = {}
         self._wakeup = threading.Condition()
         self._closing = False
-        self._running = 0
         self._thread = threading.Thread(
-            target=self._loop, name=name or f"batching-{lm.spec.id}", daemon=True
+            target=self._loop, name=name or f"batching-{spec.id}", daemon=True
         )
         self._thread.start()
+
+    @property
+    def token_budget(self) -> int:
+        return self.scheduler.token_budget
 
     # --- the callers' side -----------------------------------------------------------
 
@@ -366,7 +222,7 @@ class BatchingEngine:
         generated_ids: Sequence[int] = (),
         grammar: xgr.CompiledGrammar | None = None,
         eos_token_ids: Iterable[int] | None = None,
-        hold_after_first: bool = False,
+        priority: int = 0,
     ) -> Generation:
         """Queue one generation; thread-safe.
 
@@ -375,42 +231,58 @@ class BatchingEngine:
         accepts them, and ``sampling.max_new_tokens`` counts only new tokens.
         ``grammar`` (from ``workers.constraints.compiled_grammar``) constrains
         every sampled token. ``eos_token_ids`` default to the model's.
-
-        With ``hold_after_first`` the batch takes no step after this request's
-        first token until ``Generation.release()`` (``HOLD_SECONDS`` at most):
-        the caller's work on the token a user waits for (writing it, sending
-        it) then has the CPU to itself instead of sharing it with the step.
+        Waiting requests are admitted in ``priority`` order (lower first),
+        then in the order they came.
         """
-        sequence = _Sequence(
-            Generation(next(self._ids), streamed=on_token is None, held=hold_after_first),
-            [*prompt_ids, *generated_ids],
-            sampling,
-            frozenset(eos_token_ids) if eos_token_ids is not None else self.default_eos,
-            grammar,
-            list(generated_ids),
-            on_token,
+        request = Request(
+            id=next(self._ids),
+            prompt_ids=[*prompt_ids, *generated_ids],
+            max_new_tokens=sampling.max_new_tokens,
+            eos_token_ids=(
+                frozenset(eos_token_ids) if eos_token_ids is not None else self.default_eos
+            ),
+            priority=priority,
+            payload=RowSampling(sampling.temperature, grammar, list(generated_ids)),
         )
-        if not sequence.input_ids:
+        if not request.prompt_ids:
             raise ValueError("A generation needs at least one prompt token.")
+        generation = Generation(request.id, streamed=on_token is None)
         with self._wakeup:
             if self._closing:
                 raise RuntimeError("The engine is closed.")
-            self._waiting.append(sequence)
+            self._generations[request.id] = (generation, on_token)
+            self._inbox.append(request)
             self._wakeup.notify()
-        return sequence.generation
+        return generation
 
     @property
     def running(self) -> int:
-        """Generations in the batch now (not counting those still waiting)."""
-        return self._running
+        """Generations admitted now (prefilling or decoding)."""
+        return len(self.scheduler.running)
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.scheduler.waiting) + len(self._inbox)
 
     @property
     def closed(self) -> bool:
         return self._closing
+
+    def stats(self) -> EngineStats:
+        """A snapshot; safe from any thread (its figures may be a step apart)."""
+        scheduler = self.scheduler
+        cache = scheduler.cache
+        return EngineStats(
+            token_budget=scheduler.token_budget,
+            reserved_tokens=scheduler.reserved_tokens,
+            cached_tokens=scheduler.cached_tokens,
+            cache_entries=len(cache) if cache is not None else 0,
+            running=self.running,
+            waiting=self.waiting,
+            counts=SchedulerStats(**vars(scheduler.stats)),
+            allocated_tokens=self.runner.store.allocated_tokens,
+            peak_allocated_tokens=self.runner.store.peak_allocated_tokens,
+        )
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the engine thread after its current step; unfinished requests end
@@ -423,193 +295,73 @@ class BatchingEngine:
     # --- the engine thread ------------------------------------------------------------
 
     def _loop(self) -> None:
-        batch: _Batch | None = None
+        scheduler = self.scheduler
         with torch.inference_mode():
             while True:
                 with self._wakeup:
-                    while not self._closing and batch is None and not self._waiting:
+                    while not self._closing and not scheduler.has_work and not self._inbox:
                         self._wakeup.wait()
                     if self._closing:
                         break
-                    room = self.max_batch - (len(batch) if batch else 0)
-                    joining = [
-                        self._waiting.popleft() for _ in range(min(room, len(self._waiting)))
-                    ]
-                if batch is not None:
-                    batch = self._drop_cancelled(batch)
-                parts = [batch] if batch is not None else []
-                if joining:
-                    joined = self._prefill(joining)
-                    self._hold_for(joined)
-                    parts += joined
-                batch = _Batch.concatenate(parts) if parts else None
-                self._running = len(batch) if batch else 0
-                if batch is not None:
-                    batch = self._decode(batch)
-                self._running = len(batch) if batch else 0
-            for sequence in [*(batch.sequences if batch else []), *self._waiting]:
-                sequence.generation._finish("cancelled")
-            self._waiting.clear()
-            self._running = 0
-
-    @staticmethod
-    def _hold_for(joined: list[_Batch]) -> None:
-        """Wait until the callers that hold the batch after their first token
-        release it, ``HOLD_SECONDS`` at most."""
-        deadline = time.monotonic() + HOLD_SECONDS
-        for batch in joined:
-            for sequence in batch.sequences:
-                sequence.generation._released.wait(max(0.0, deadline - time.monotonic()))
-
-    def _drop_cancelled(self, batch: _Batch) -> _Batch | None:
-        keep = []
-        for row, sequence in enumerate(batch.sequences):
-            if sequence.generation.cancel_requested:
-                sequence.generation._finish("cancelled")
-            else:
-                keep.append(row)
-        return batch.filter(keep)
-
-    def _prefill(self, sequences: list[_Sequence]) -> list[_Batch]:
-        """One-row batches of the joining sequences after their prompt pass and
-        first token, leaving out those already ended (cancelled, failed, done
-        after one token).
-
-        Sequences joining together share one forward pass, packed end to end
-        in a single row with positions restarting at each one (transformers
-        then keeps them apart with a block-diagonal mask): no padding is
-        computed, and every weight is read once for all of them.
-        """
-        ready = []
-        for sequence in sequences:
-            generation = sequence.generation
-            if generation.cancel_requested:
-                generation._finish("cancelled")
-            elif sequence.max_new_tokens <= 0:
-                generation._finish("length")
-            else:
+                    arrived = list(self._inbox)
+                    self._inbox.clear()
+                for request in arrived:
+                    scheduler.add(request)
+                self._abort_cancelled()
+                plan = scheduler.schedule()
+                for request in plan.ended:
+                    self._end(request)
+                if not plan.chunks:
+                    # Nothing admitted can wait on memory with nothing running: a
+                    # prompt larger than the whole budget fails instead.
+                    continue
                 try:
-                    sequence.start_matcher()
-                except Exception as exc:
-                    generation._finish("error", exc)
-                else:
-                    ready.append(sequence)
-        if not ready:
-            return []
-        if len(ready) > 1 and self.model.config._attn_implementation == "sdpa":
-            groups = [ready]
-        else:  # other attention kernels take their masks in other forms
-            groups = [[sequence] for sequence in ready]
-        return [single for group in groups for single in self._prefill_together(group)]
+                    result = self.runner.execute(plan)
+                except Exception as exc:  # the model itself failed: every row shares that fate
+                    log.exception("Step failed for %d generations", len(plan.chunks))
+                    for chunk in plan.chunks:
+                        scheduler.abort(chunk.request, RequestStatus.FAILED, exc)
+                        self._end(chunk.request)
+                    continue
+                for request in scheduler.update(plan, result.sampled, result.failed):
+                    self._deliver(request, result.sampled.get(request.id))
+            with self._wakeup:  # closed: whatever is left ends cancelled
+                leftover = [*self._inbox, *scheduler.waiting, *scheduler.running]
+                self._inbox.clear()
+            for request in leftover:
+                self._end(request, RequestStatus.CANCELLED)
 
-    def _prefill_together(self, ready: list[_Sequence]) -> list[_Batch]:
-        device = self.model.device
-        lengths = [len(sequence.input_ids) for sequence in ready]
-        ends = list(itertools.accumulate(lengths))
-        try:
-            cache = DynamicCache(config=self.model.config)
-            output = self.model(
-                input_ids=torch.tensor([[t for s in ready for t in s.input_ids]], device=device),
-                attention_mask=_packed_causal_mask(lengths, device) if len(ready) > 1 else None,
-                position_ids=torch.cat([torch.arange(n, device=device) for n in lengths])[None],
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=torch.tensor([end - 1 for end in ends], device=device),
-            )
-            if any(type(layer) is not DynamicLayer for layer in cache.layers):
-                raise NotImplementedError(
-                    "Batching needs a plain DynamicCache (no sliding window)."
-                )
-            token_ids = self._choose(output.logits[0], ready)
-        except Exception as exc:
-            log.exception("Prefill of %d generations failed", len(ready))
-            for sequence in ready:
-                sequence.generation._finish("error", exc)
-            return []
-        singles = []
-        for sequence, token_id, length, end in zip(ready, token_ids, lengths, ends, strict=True):
-            if sequence.take(token_id):
-                continue
-            if len(ready) == 1:
-                own_cache = cache
-            else:  # this sequence's own stretch of the packed cache
-                own_cache = DynamicCache(
-                    ddp_cache_data=[
-                        (
-                            layer.keys[:, :, end - length : end],
-                            layer.values[:, :, end - length : end],
-                        )
-                        for layer in cache.layers
-                    ]
-                )
-            singles.append(
-                _Batch(
-                    [sequence],
-                    own_cache,
-                    torch.ones((1, length), dtype=torch.long, device=device),
-                    torch.tensor([[token_id]], device=device),
-                    torch.tensor([[length]], device=device),
-                )
-            )
-        return singles
+    def _abort_cancelled(self) -> None:
+        for request in [*self.scheduler.waiting, *self.scheduler.running]:
+            generation, _ = self._generations[request.id]
+            if generation.cancel_requested:
+                self.scheduler.abort(request, RequestStatus.CANCELLED)
+                self._end(request)
 
-    def _decode(self, batch: _Batch) -> _Batch | None:
-        """One decoding step for every row; returns the rows still going."""
-        try:
-            attention_mask = torch.cat(
-                [batch.attention_mask, batch.attention_mask.new_ones((len(batch), 1))], dim=1
-            )
-            output = self.model(
-                input_ids=batch.next_ids,
-                # Without padding the mask is all ones: leaving it out lets the
-                # attention run its unmasked path, exactly as a lone generate does.
-                attention_mask=attention_mask if batch.padded else None,
-                position_ids=batch.position_ids,
-                cache=batch.cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            token_ids = self._choose(output.logits[:, -1, :], batch.sequences)
-        except Exception as exc:  # the model itself failed: every row shares that fate
-            log.exception("Decoding step failed for %d generations", len(batch))
-            for sequence in batch.sequences:
-                sequence.generation._finish("error", exc)
-            return None
-        batch.attention_mask = attention_mask
-        batch.position_ids = batch.position_ids + 1
-        batch.next_ids = torch.tensor([[t] for t in token_ids], device=batch.next_ids.device)
-        keep = [
-            row for row, sequence in enumerate(batch.sequences) if not sequence.take(token_ids[row])
-        ]
-        return batch.filter(keep)
+    def _deliver(self, request: Request, token_id: int | None) -> None:
+        """Hand a step's token to its caller, and end the generation if the
+        request has ended."""
+        generation, on_token = self._generations[request.id]
+        if generation.cancel_requested:  # its token is not delivered
+            self.scheduler.abort(request, RequestStatus.CANCELLED)
+            self._end(request, RequestStatus.CANCELLED)
+            return
+        if token_id is not None:
+            generation.cached_tokens = request.cached_tokens
+            try:
+                stop = generation._deliver(token_id, on_token)
+            except Exception as exc:  # the caller's callback: only this request fails
+                log.warning("Generation %s failed in its callback", request.id, exc_info=True)
+                self.scheduler.abort(request, RequestStatus.FAILED, exc)
+            else:
+                if stop:
+                    self.scheduler.abort(request, RequestStatus.FINISHED_STOPPED)
+        if request.status.finished:
+            self._end(request)
 
-    def _choose(self, logits: torch.Tensor, sequences: list[_Sequence]) -> list[int]:
-        """The next token of each row: its grammar's mask, then greedy or sampled."""
-        # generate() also turns the last position's logits into fp32 before any
-        # processing, so bf16/fp16 models pick the same way here.
-        logits = logits.to(torch.float32)
-        constrained = [
-            row
-            for row, sequence in enumerate(sequences)
-            if sequence.matcher is not None
-            and sequence.matcher.fill_next_token_bitmask(self._bitmask, row)
-        ]
-        if constrained:
-            xgr.apply_token_bitmask_inplace(
-                logits,
-                self._bitmask[: len(sequences)].to(logits.device),
-                vocab_size=self.vocab_size,
-                indices=constrained,
-            )
-        greedy = logits.argmax(dim=-1)
-        temperatures = [sequence.temperature for sequence in sequences]
-        if all(t <= 0 for t in temperatures):
-            return greedy.tolist()
-        scale = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=logits.device)
-        probabilities = torch.softmax(logits / scale.unsqueeze(1), dim=-1)
-        sampled = torch.multinomial(probabilities, num_samples=1).squeeze(1)
-        is_greedy = torch.tensor([t <= 0 for t in temperatures], device=logits.device)
-        return torch.where(is_greedy, greedy, sampled).tolist()
+    def _end(self, request: Request, status: RequestStatus | None = None) -> None:
+        generation, _ = self._generations.pop(request.id)
+        generation._finish((status or request.status).value, request.error)
 
 
 _engines: dict[str, BatchingEngine] = {}

@@ -1,4 +1,10 @@
-"""Loading a model onto the device, and its transformers tokenizer: each once per process."""
+"""Loading a model onto its device, and its transformers tokenizer: each once per process.
+
+Where a model runs and how much memory its engine may hold come from its
+entry in ``models.toml`` (``generation.registry.ModelSpec``): ``device``,
+``dtype``, ``attention``, ``kv_budget_tokens`` and ``prefill_chunk_tokens``,
+each with a default that suits the device when left out.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +17,22 @@ from generation.weights import weights_folder
 
 log = logging.getLogger(__name__)
 
+# Prompt tokens per step when models.toml leaves it to the device: on the
+# 2-core CPU a chunk of 64 costs about three decoding steps of a batch of 4
+# (bench/bench_engine_memory.py); a GPU takes far larger ones in stride.
+CHUNK_TOKENS = {"cpu": 64, "cuda": 512}
+# A CPU has the memory for several full contexts; a GPU's budget is derived
+# from its free memory instead (``derived_budget``).
+CPU_BUDGET_CONTEXTS = 4
+
 
 @dataclass
 class LoadedModel:
     spec: ModelSpec
     model: object  # transformers PreTrainedModel
     tokenizer: object  # transformers PreTrainedTokenizerBase
+    token_budget: int = 0  # tokens of keys and values its engine may hold
+    chunk_tokens: int = 0  # prompt tokens its engine computes per step
 
     @functools.cached_property
     def eos_token_ids(self) -> set[int]:
@@ -34,15 +50,60 @@ def load_tokenizer(spec: ModelSpec) -> object:
     return AutoTokenizer.from_pretrained(weights_folder(spec))
 
 
+def derived_budget(spec: ModelSpec, config: object, token_bytes: int, dtype_bytes: int,
+                   free: int, total: int, chunk_tokens: int) -> int:  # fmt: skip
+    """A GPU's token budget: what ``gpu_memory_fraction`` of the device leaves
+    once the weights are loaded (``free`` counts them out already), less the
+    room a step's activations and logits take, in tokens of ``token_bytes``
+    of keys and values each."""
+    usable = free - (1 - spec.gpu_memory_fraction) * total
+    activations = chunk_tokens * (config.intermediate_size + 4 * config.hidden_size) * dtype_bytes
+    logits = spec.max_batch * config.vocab_size * 4 * 2
+    return max(int((usable - 4 * activations - logits) // token_bytes), 0)
+
+
 @functools.cache
 def load_model(spec: ModelSpec) -> LoadedModel:
     import torch
     from transformers import AutoModelForCausalLM
 
-    folder = weights_folder(spec)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+    from .model_runner import attention_implementation, kv_bytes_per_token
+
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if spec.device == "auto" else spec.device
+    )
+    if spec.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = getattr(torch, spec.dtype)
+    attention = attention_implementation(spec.attention)
+    model = AutoModelForCausalLM.from_pretrained(
+        weights_folder(spec), dtype=dtype, attn_implementation=attention
+    ).to(device)
     model.eval()
-    log.info("Loaded %s on %s", spec.id, device)
-    return LoadedModel(spec=spec, model=model, tokenizer=load_tokenizer(spec))
+    chunk_tokens = spec.prefill_chunk_tokens or CHUNK_TOKENS[device.type]
+    budget = spec.kv_budget_tokens
+    if not budget and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = derived_budget(
+            spec,
+            model.config,
+            kv_bytes_per_token(model.config, dtype.itemsize),
+            dtype.itemsize,
+            free,
+            total,
+            chunk_tokens,
+        )
+        if budget < spec.context_window:
+            log.warning(
+                "%s: %d tokens of keys and values fit on %s, under its context window (%d): "
+                "a request that outgrows them fails",
+                spec.id, budget, device, spec.context_window,
+            )  # fmt: skip
+    elif not budget:
+        budget = CPU_BUDGET_CONTEXTS * spec.context_window
+    log.info(
+        "Loaded %s on %s (%s, %s attention): %d tokens of keys and values, prompts in chunks of %d",
+        spec.id, device, dtype, spec.attention, budget, chunk_tokens,
+    )  # fmt: skip
+    return LoadedModel(spec, model, load_tokenizer(spec), budget, chunk_tokens)

@@ -1,0 +1,91 @@
+"""How a model runs, from its entry in models.toml: the settings, their
+defaults, and the entries refused (``generation.registry``); the token
+budget a GPU's memory leaves (``workers.loading.derived_budget``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from generation.registry import ModelSpec, parse_registry
+from workers.loading import derived_budget
+
+ENTRY = """
+[[models]]
+id = "m"
+source = "folder"
+path = "/models/m"
+context_window = 4096
+max_output_tokens = 1024
+"""
+
+
+def test_a_models_settings_default_to_what_suits_its_device():
+    (spec,) = parse_registry(ENTRY).values()
+    assert (spec.dtype, spec.device, spec.attention) == ("auto", "auto", "sdpa")
+    assert (spec.kv_budget_tokens, spec.prefill_chunk_tokens) == (0, 0)  # from the device
+    assert spec.prefix_cache and spec.max_batch == 8 and spec.gpu_memory_fraction == 0.85
+
+
+def test_every_setting_is_read():
+    settings = """
+dtype = "bfloat16"
+device = "cuda:1"
+attention = "eager"
+kv_budget_tokens = 65536
+gpu_memory_fraction = 0.5
+prefill_chunk_tokens = 1024
+prefix_cache = false
+max_batch = 32
+"""
+    (spec,) = parse_registry(ENTRY + settings).values()
+    assert spec == ModelSpec(
+        id="m",
+        source="folder",
+        path="/models/m",
+        context_window=4096,
+        max_output_tokens=1024,
+        capabilities=(),
+        dtype="bfloat16",
+        device="cuda:1",
+        attention="eager",
+        kv_budget_tokens=65536,
+        gpu_memory_fraction=0.5,
+        prefill_chunk_tokens=1024,
+        prefix_cache=False,
+        max_batch=32,
+    )
+
+
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        ('dtype = "float8"', "dtype 'float8'"),
+        ('device = "tpu"', "device 'tpu'"),
+        ('device = "cuda:x"', "device 'cuda:x'"),
+        ('attention = "flash"', "attention 'flash'"),
+        ("kv_budget_tokens = 4095", "kv_budget_tokens below the context window"),
+        ("gpu_memory_fraction = 1.5", "gpu_memory_fraction"),
+        ("prefill_chunk_tokens = -1", "prefill_chunk_tokens"),
+        ("max_batch = 0", "max_batch"),
+        ('capabilities = ["telepathy"]', "capabilities ['telepathy']"),
+    ],
+)
+def test_a_bad_setting_is_refused_with_its_reason(line, reason):
+    with pytest.raises(ValueError, match="bad entry 'm'") as refused:
+        parse_registry(ENTRY + line + "\n")
+    assert reason in str(refused.value)
+
+
+def test_a_gpu_budget_is_what_its_memory_fraction_leaves_after_weights_and_a_step():
+    spec = parse_registry(ENTRY).get("m")
+    config = SimpleNamespace(intermediate_size=1536, hidden_size=576, vocab_size=49152)
+    gib = 1 << 30
+    # 80 GiB device, 70 GiB free once the weights are in, 0.85 of it ours
+    budget = derived_budget(spec, config, 2 * 30 * 3 * 64 * 2, 2, 70 * gib, 80 * gib, 512)
+    usable = 70 * gib - 0.15 * 80 * gib
+    step = 4 * 512 * (1536 + 4 * 576) * 2 + 8 * 49152 * 4 * 2
+    assert budget == int((usable - step) // (2 * 30 * 3 * 64 * 2))
+    # a device already full leaves nothing, never a negative budget
+    assert derived_budget(spec, config, 1000, 2, 1 * gib, 80 * gib, 512) == 0

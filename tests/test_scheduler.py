@@ -1,0 +1,400 @@
+"""The scheduler's rules without a model: hand-built step outputs stand for
+the model runner's (``workers.scheduler``, plain Python)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from workers.scheduler import (
+    Adopt,
+    BudgetExceededError,
+    Evict,
+    PrefixCache,
+    Release,
+    Request,
+    RequestStatus,
+    Scheduler,
+    StepPlan,
+)
+
+END = 0  # the end token of every request here
+_ids = itertools.count(1)
+
+
+def request(prompt: int | list[int], max_new: int = 10, priority: int = 0) -> Request:
+    prompt_ids = list(range(100, 100 + prompt)) if isinstance(prompt, int) else prompt
+    return Request(next(_ids), prompt_ids, max_new, frozenset({END}), priority)
+
+
+def step(scheduler: Scheduler, token: int = 7, ending: set[int] = frozenset()) -> StepPlan:
+    """Plan a step and feed back what a model would sample: ``token`` for every
+    chunk that asks for one, the end token for the requests in ``ending``."""
+    plan = scheduler.schedule()
+    sampled = {
+        chunk.request.id: END if chunk.request.id in ending else token
+        for chunk in plan.chunks
+        if chunk.sample
+    }
+    scheduler.update(plan, sampled)
+    return plan
+
+
+def fed(plan: StepPlan) -> dict[int, int]:
+    return {chunk.request.id: len(chunk.token_ids) for chunk in plan.chunks}
+
+
+# --- admission under the budget ------------------------------------------------------
+
+
+def test_requests_are_admitted_while_their_prompts_fit_in_the_budget():
+    scheduler = Scheduler(max_batch=8, token_budget=100, chunk_tokens=1000, prefix_cache=False)
+    a, b, c = request(40), request(40), request(40)
+    for r in (a, b, c):
+        scheduler.add(r)
+    plan = step(scheduler)
+    assert fed(plan) == {a.id: 40, b.id: 40}  # the third would make 120
+    assert c.status == RequestStatus.WAITING
+    assert scheduler.held_tokens == 82  # two prompts and their first tokens
+
+
+def test_max_batch_still_bounds_the_rows():
+    scheduler = Scheduler(max_batch=2, token_budget=10_000, chunk_tokens=1000, prefix_cache=False)
+    requests = [request(5) for _ in range(3)]
+    for r in requests:
+        scheduler.add(r)
+    assert len(step(scheduler).chunks) == 2
+    assert requests[2].status == RequestStatus.WAITING
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival_and_in_order():
+    scheduler = Scheduler(max_batch=8, token_budget=100, chunk_tokens=1000, prefix_cache=False)
+    late, big, small = request(10, priority=5), request(95, priority=1), request(10, priority=1)
+    for r in (late, big, small):
+        scheduler.add(r)
+    assert [r.id for r in scheduler.waiting] == [big.id, small.id, late.id]
+    running = request(20)
+    scheduler.running.append(running)  # holds 20: the big one must wait
+    running.status = RequestStatus.DECODING
+    running.output_ids = [7]
+    running.num_computed = 20
+    plan = scheduler.schedule()
+    # the large request at the head is not passed by the smaller ones behind it
+    assert fed(plan) == {running.id: 1}
+    assert big.status == small.status == late.status == RequestStatus.WAITING
+
+
+def test_a_prompt_larger_than_the_whole_budget_fails_at_once():
+    scheduler = Scheduler(max_batch=8, token_budget=50, chunk_tokens=1000, prefix_cache=False)
+    huge, fits = request(60), request(10)
+    scheduler.add(huge)
+    scheduler.add(fits)
+    plan = step(scheduler)
+    assert plan.ended == [huge]
+    assert huge.status == RequestStatus.FAILED and isinstance(huge.error, BudgetExceededError)
+    assert fed(plan) == {fits.id: 10}
+
+
+# --- chunking --------------------------------------------------------------------------
+
+
+def test_a_long_prompt_is_computed_in_chunks_beside_the_decoding_rows():
+    scheduler = Scheduler(max_batch=8, token_budget=10_000, chunk_tokens=64, prefix_cache=False)
+    decoding = [request(5, max_new=100) for _ in range(4)]
+    for r in decoding:
+        scheduler.add(r)
+    step(scheduler)
+    assert all(r.status == RequestStatus.DECODING for r in decoding)
+    long = request(150, max_new=5)
+    scheduler.add(long)
+    fed_long = []
+    while long.status == RequestStatus.WAITING or long.status == RequestStatus.PREFILLING:
+        plan = step(scheduler)
+        sizes = fed(plan)
+        # every decoding row gets its token at every step, the prompt at most a chunk
+        assert all(sizes[r.id] == 1 for r in decoding)
+        fed_long.append(sizes[long.id])
+        assert sum(sizes.values()) <= 64 + len(decoding)
+    assert fed_long == [64, 64, 22]
+    assert long.status == RequestStatus.DECODING and long.num_computed == 150
+    assert long.output_ids == [7]  # sampled once, after its last chunk
+    assert scheduler.stats.prompt_tokens_computed == 4 * 5 + 150
+
+
+def test_chunks_of_a_step_share_its_prompt_tokens_in_admission_order():
+    scheduler = Scheduler(max_batch=8, token_budget=10_000, chunk_tokens=50, prefix_cache=False)
+    a, b = request(30), request(40)
+    scheduler.add(a)
+    scheduler.add(b)
+    plan = step(scheduler)
+    assert [(c.request.id, c.start, len(c.token_ids), c.sample) for c in plan.chunks] == [
+        (a.id, 0, 30, True),
+        (b.id, 0, 20, False),
+    ]
+    plan = step(scheduler)
+    assert [(c.request.id, c.start, len(c.token_ids), c.sample) for c in plan.chunks] == [
+        (a.id, 30, 1, True),
+        (b.id, 20, 20, True),
+    ]
+
+
+# --- growth, preemption and re-admission ---------------------------------------------------
+
+
+def test_a_running_request_without_room_preempts_the_request_admitted_last():
+    scheduler = Scheduler(max_batch=8, token_budget=50, chunk_tokens=1000, prefix_cache=False)
+    first, second = request(20, max_new=40), request(20, max_new=40)
+    scheduler.add(first)
+    scheduler.add(second)
+    step(scheduler)  # both admitted: 20 + 1 each
+    held = []
+    while second.status == RequestStatus.DECODING:
+        plan = scheduler.schedule()
+        held.append(scheduler.held_tokens)  # what the planned step computes into
+        scheduler.update(plan, {chunk.request.id: 7 for chunk in plan.chunks})
+    assert plan.ended == [second] and second.status == RequestStatus.PREEMPTED
+    assert Release(second.id) in plan.memory_ops
+    assert scheduler.stats.preemptions == 1
+    assert max(held) == 50 == scheduler.stats.peak_held_tokens
+    assert first.status == RequestStatus.DECODING
+
+
+def test_a_preempted_request_resumed_later_is_admitted_once_memory_frees():
+    scheduler = Scheduler(max_batch=8, token_budget=60, chunk_tokens=1000, prefix_cache=False)
+    first = request(20, max_new=30)
+    second = request(20, max_new=30)
+    scheduler.add(first)
+    scheduler.add(second)
+    while second.status != RequestStatus.PREEMPTED:
+        step(scheduler)
+    # its caller resumes it: its prompt and what it generated, the rest to come
+    resumed = request([*second.prompt_ids, *second.output_ids], max_new=30 - len(second.output_ids))
+    scheduler.add(resumed)
+    admitted_while_first_ran = False
+    for _ in range(100):
+        plan = scheduler.schedule()
+        assert scheduler.held_tokens <= 60
+        scheduler.update(plan, {chunk.request.id: 7 for chunk in plan.chunks if chunk.sample})
+        if resumed.status != RequestStatus.WAITING and first.status == RequestStatus.DECODING:
+            admitted_while_first_ran = True
+        if resumed.status.finished:
+            break
+    assert first.status == RequestStatus.FINISHED_LENGTH
+    assert resumed.status == RequestStatus.FINISHED_LENGTH
+    assert not admitted_while_first_ran  # both together do not fit
+
+
+def test_a_lone_request_that_outgrows_the_budget_fails_rather_than_loops():
+    scheduler = Scheduler(max_batch=8, token_budget=25, chunk_tokens=1000, prefix_cache=False)
+    alone = request(20, max_new=100)
+    scheduler.add(alone)
+    for _ in range(10):
+        plan = step(scheduler)
+        if alone.status.finished:
+            break
+    assert alone.status == RequestStatus.FAILED and isinstance(alone.error, BudgetExceededError)
+    assert plan.ended == [alone]
+
+
+# --- cancels -----------------------------------------------------------------------------
+
+
+def test_cancel_while_waiting_holds_nothing_and_frees_nothing():
+    scheduler = Scheduler(max_batch=1, token_budget=1000, chunk_tokens=1000, prefix_cache=False)
+    running, waiting = request(5), request(5)
+    scheduler.add(running)
+    scheduler.add(waiting)
+    step(scheduler)
+    scheduler.abort(waiting, RequestStatus.CANCELLED)
+    assert waiting.status == RequestStatus.CANCELLED and scheduler.waiting == []
+    plan = step(scheduler)
+    assert plan.memory_ops == [] and fed(plan) == {running.id: 1}
+
+
+def test_cancel_while_prefilling_releases_its_memory_before_the_next_step():
+    scheduler = Scheduler(max_batch=8, token_budget=1000, chunk_tokens=10, prefix_cache=False)
+    long = request(40)
+    scheduler.add(long)
+    step(scheduler)
+    assert long.status == RequestStatus.PREFILLING and long.num_computed == 10
+    scheduler.abort(long, RequestStatus.CANCELLED)
+    assert long.status == RequestStatus.CANCELLED and scheduler.held_tokens == 0
+    plan = step(scheduler)
+    assert plan.memory_ops == [Release(long.id)] and plan.chunks == []
+
+
+def test_cancel_while_decoding_drops_the_row_from_the_next_step():
+    scheduler = Scheduler(max_batch=8, token_budget=1000, chunk_tokens=1000, prefix_cache=False)
+    stays, goes = request(5), request(5)
+    scheduler.add(stays)
+    scheduler.add(goes)
+    step(scheduler)
+    scheduler.abort(goes, RequestStatus.CANCELLED)
+    plan = step(scheduler)
+    assert fed(plan) == {stays.id: 1}
+    assert plan.memory_ops == [Release(goes.id)]
+    scheduler.abort(goes, RequestStatus.FAILED)  # once finished, a no-op
+    assert goes.status == RequestStatus.CANCELLED
+
+
+# --- ends ------------------------------------------------------------------------------------
+
+
+def test_requests_end_at_their_end_token_or_their_limit():
+    scheduler = Scheduler(max_batch=8, token_budget=1000, chunk_tokens=1000, prefix_cache=False)
+    ends, limited = request(5, max_new=10), request(5, max_new=3)
+    scheduler.add(ends)
+    scheduler.add(limited)
+    step(scheduler)
+    step(scheduler, ending={ends.id})
+    assert ends.status == RequestStatus.FINISHED_EOS and ends.output_ids == [7, END]
+    step(scheduler)
+    assert limited.status == RequestStatus.FINISHED_LENGTH and limited.output_ids == [7, 7, 7]
+    assert not scheduler.has_work
+
+
+def test_a_request_failed_by_the_runner_ends_alone():
+    scheduler = Scheduler(max_batch=8, token_budget=1000, chunk_tokens=1000, prefix_cache=True)
+    broken, healthy = request(20), request(20)
+    scheduler.add(broken)
+    scheduler.add(healthy)
+    plan = scheduler.schedule()
+    error = ValueError("breaks the grammar")
+    changed = scheduler.update(plan, {healthy.id: 7}, {broken.id: error})
+    assert changed == [broken, healthy]
+    assert broken.status == RequestStatus.FAILED and broken.error is error
+    assert healthy.status == RequestStatus.DECODING
+    # a failed request's memory is never kept for reuse
+    assert scheduler.schedule().memory_ops == [Release(broken.id)]
+
+
+# --- the prefix cache --------------------------------------------------------------------------
+
+
+def test_a_finished_request_is_kept_and_a_prompt_starting_with_it_reuses_it():
+    scheduler = Scheduler(max_batch=8, token_budget=1000, chunk_tokens=1000)
+    first = request(40, max_new=3)
+    scheduler.add(first)
+    while not first.status.finished:
+        step(scheduler)
+    computed = first.token_ids()[: first.num_computed]
+    assert len(computed) == 42  # the prompt and the two tokens fed back
+    plan = scheduler.schedule()
+    assert [type(op) for op in plan.memory_ops] == [Release]
+    (release,) = plan.memory_ops
+    assert release.tokens == 42 and release.entry_id is not None
+    follow_up = request([*computed, 7, 1, 2, 3])  # the next turn of the conversation
+    scheduler.add(follow_up)
+    plan = step(scheduler)
+    assert plan.memory_ops == [Adopt(follow_up.id, release.entry_id, 42, 46)]
+    assert fed(plan) == {follow_up.id: 4} and plan.chunks[0].start == 42
+    assert follow_up.cached_tokens == 42
+    assert scheduler.stats.prefix_hits == 1 and scheduler.stats.prefix_tokens_reused == 42
+    # the follow-up's own entry covers the first one, which goes
+    while not follow_up.status.finished:
+        step(scheduler)
+    plan = scheduler.schedule()
+    assert isinstance(plan.memory_ops[0], Release) and plan.memory_ops[1:] == [
+        Evict(release.entry_id)
+    ]
+    assert len(scheduler.cache) == 1
+
+
+def test_a_shared_system_prompt_is_reused_token_by_token_past_the_last_block():
+    cache = PrefixCache()
+    system = list(range(1, 38))  # two whole blocks and 5 tokens
+    entry_id, covered = cache.insert([*system, 500, 501])
+    assert covered == []
+    assert cache.lookup([*system, 600, 601, 602], limit=100) == (entry_id, 37)
+    assert cache.lookup([*system[:20], 999], limit=100) == (entry_id, 20)
+    assert cache.lookup(system[:10], limit=100) is None  # under a block: not worth a copy
+    assert cache.lookup([*system, 500, 501], limit=30) == (entry_id, 30)
+
+
+def test_a_prompt_always_computes_its_last_token():
+    scheduler = Scheduler(max_batch=8, token_budget=1000, chunk_tokens=1000)
+    first = request(32, max_new=1)
+    scheduler.add(first)
+    step(scheduler)
+    same = request(list(first.prompt_ids))
+    scheduler.add(same)
+    plan = step(scheduler)
+    assert fed(plan) == {same.id: 1} and same.cached_tokens == 31
+
+
+def test_cache_entries_are_evicted_least_recently_used_first_to_admit_a_request():
+    scheduler = Scheduler(max_batch=8, token_budget=100, chunk_tokens=1000)
+    old, new = request(list(range(1, 33)), max_new=1), request(list(range(200, 232)), max_new=1)
+    for r in (old, new):
+        scheduler.add(r)
+        step(scheduler)
+    assert len(scheduler.cache) == 2 and scheduler.held_tokens == 64
+    big = request(60)
+    scheduler.add(big)
+    plan = step(scheduler)
+    releases = [op for op in plan.memory_ops if isinstance(op, Release)]
+    evicted = [op for op in plan.memory_ops if isinstance(op, Evict)]
+    assert len(releases) == 1 and len(evicted) == 1  # the older entry only
+    assert scheduler.cache.lookup(new.prompt_ids, 100) is not None
+    assert scheduler.cache.lookup(old.prompt_ids, 100) is None
+    assert fed(plan) == {big.id: 60}
+    assert scheduler.held_tokens <= 100
+
+
+def test_the_entry_a_request_reuses_is_not_evicted_to_admit_it():
+    scheduler = Scheduler(max_batch=8, token_budget=100, chunk_tokens=1000)
+    system = list(range(1, 49))
+    first = request(system, max_new=1)
+    scheduler.add(first)
+    step(scheduler)  # the entry holds 48 tokens
+    follow_up = request([*system, 5, 6])  # needs 50 beside the entry's 48
+    scheduler.add(follow_up)
+    plan = step(scheduler)
+    assert any(isinstance(op, Adopt) for op in plan.memory_ops)
+    assert not any(isinstance(op, Evict) for op in plan.memory_ops)
+    assert fed(plan) == {follow_up.id: 2}
+
+
+def test_a_request_whose_cached_prefix_leaves_it_no_room_is_computed_whole():
+    """Keeping the entry it would copy would leave the request no room, and
+    nothing runs to free any: the entry goes and the prompt is computed whole
+    (waiting would wait forever)."""
+    scheduler = Scheduler(max_batch=8, token_budget=60, chunk_tokens=1000)
+    system = list(range(1, 33))
+    first = request([*system, *range(900, 910)], max_new=1)
+    scheduler.add(first)
+    step(scheduler)  # the entry holds 42 tokens
+    second = request([*system, *range(500, 520)])  # 52 tokens: not beside 42
+    scheduler.add(second)
+    plan = step(scheduler)
+    assert [type(op) for op in plan.memory_ops] == [Release, Evict]
+    assert fed(plan) == {second.id: 52} and second.cached_tokens == 0
+
+
+def test_without_a_cache_nothing_is_kept():
+    scheduler = Scheduler(max_batch=8, token_budget=1000, chunk_tokens=1000, prefix_cache=False)
+    first = request(40, max_new=1)
+    scheduler.add(first)
+    step(scheduler)
+    assert scheduler.schedule().memory_ops == [Release(first.id)]
+    again = request(list(first.prompt_ids))
+    scheduler.add(again)
+    assert fed(step(scheduler)) == {again.id: 40}
+
+
+def test_a_preempted_request_frees_its_memory_for_the_others():
+    """Its memory is what the others need: it is not kept as a cache entry."""
+    scheduler = Scheduler(max_batch=8, token_budget=80, chunk_tokens=1000)
+    first, second = request(30, max_new=40), request(list(range(500, 530)), max_new=40)
+    scheduler.add(first)
+    scheduler.add(second)
+    while second.status != RequestStatus.PREEMPTED:
+        plan = step(scheduler)
+    assert Release(second.id) in plan.memory_ops and len(scheduler.cache) == 0
+
+
+@pytest.mark.parametrize("budget", [0, -1])
+def test_a_scheduler_needs_a_budget(budget):
+    with pytest.raises(ValueError):
+        Scheduler(max_batch=1, token_budget=budget, chunk_tokens=1)
