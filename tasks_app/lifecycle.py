@@ -67,20 +67,21 @@ def _lease_deadline() -> timezone.datetime:
     return timezone.now() + timedelta(seconds=settings.LMSP_LEASE_SECONDS)
 
 
-def enqueue_on_commit(task: Task, queue: str) -> None:
+def enqueue_on_commit(task: Task, queue: str, preferred: bool = False) -> None:
     """Send the job once the task row is committed, so no worker sees it early."""
-    enqueue_on_commit_id(task.id, task.model, queue)
+    enqueue_on_commit_id(task.id, task.model, queue, preferred)
 
 
-def enqueue_on_commit_id(task_id: str, model: str, queue: str) -> None:
-    transaction.on_commit(lambda: send_job(task_id, model, queue))
+def enqueue_on_commit_id(task_id: str, model: str, queue: str, preferred: bool = False) -> None:
+    transaction.on_commit(lambda: send_job(task_id, model, queue, preferred))
 
 
-def send_job(task_id: str, model: str, queue: str) -> None:
+def send_job(task_id: str, model: str, queue: str, preferred: bool = False) -> None:
     """The job of a queued task: a slot for its model (see ``claim``), so the
-    message names the model too; the task may be gone when it is taken."""
+    message names the model too; the task may be gone when it is taken. A
+    job sent to one worker's own queue (``preferred``) is that task's first."""
     try:
-        celery_app.send_task(RUN_TASK, args=[task_id, model], queue=queue)
+        celery_app.send_task(RUN_TASK, args=[task_id, model, preferred], queue=queue)
     except Exception as exc:  # broker down: the sweeper sends it again later
         log.warning("Could not enqueue %s (%s); the sweeper will retry", task_id, exc)
 
@@ -89,10 +90,14 @@ def _locked(task_id: str) -> Task | None:
     return Task.objects.select_for_update().filter(id=task_id).first()
 
 
-def claim(task_id: str, worker: str, model: str | None = None) -> Task | None:
+def claim(
+    task_id: str, worker: str, model: str | None = None, preferred: str | None = None
+) -> Task | None:
     """Take the fairest queued task of ``model`` (the job's message names it;
     else ``task_id``'s) for this worker (see ``fairness``); None when that
-    model has nothing this worker may start.
+    model has nothing this worker may start. The ``preferred`` task goes
+    first while it is queued (``tasks_app.routing``: a job sent to this
+    worker for a conversation it holds).
 
     A job's message is a slot for its model rather than a ticket for one
     task: every queued task has sent one, so every queued task is claimed by
@@ -110,6 +115,7 @@ def claim(task_id: str, worker: str, model: str | None = None) -> Task | None:
     claimed = {
         "task": task_id,
         "model": model,
+        "preferred": preferred,
         "queued": Status.QUEUED.value,
         "passed_over": [],
         "max_running": settings.LMSP_QUOTA_MAX_RUNNING,
@@ -118,14 +124,14 @@ def claim(task_id: str, worker: str, model: str | None = None) -> Task | None:
         "lease": _lease_deadline(),
     }
     with connection.cursor() as cursor:
-        cursor.execute(_claim_sql(), claimed)
+        cursor.execute(_claim_sql(preferred is not None), claimed)
         cursor.nextset()  # the model's clock created if missing
         cursor.nextset()  # and locked
         row = cursor.fetchone()
     if row is None:
         return None  # nothing queued for the model (or no such task)
     if row[0] is None:  # picked, but its owner's running generations are to be counted
-        return _claim_counting_running(task_id, worker, model)
+        return _claim_counting_running(task_id, worker, model, preferred)
     return fairness.picked_task(row)
 
 
@@ -138,13 +144,13 @@ def claim(task_id: str, worker: str, model: str | None = None) -> Task | None:
 # waited for one another. The row: the claimed task's columns (NULL when it
 # was only picked) and its response's; none when nothing was picked.
 @functools.cache
-def _claim_sql() -> str:
+def _claim_sql(preferring: bool) -> str:
     task_columns = rows.columns(Task)
     response_columns = rows.columns(fairness.response_model())
     return f"""
 {fairness.CREATE_CLOCK_SQL};
 {fairness.LOCK_CLOCK_SQL};
-WITH picked AS ({fairness.fairest_sql(fairness.CLAIMED_MODEL_SQL)}),
+WITH picked AS ({fairness.fairest_sql(fairness.CLAIMED_MODEL_SQL, preferring)}),
 startable AS (
     SELECT id, model, fair_key FROM picked
      WHERE coalesce(own_max_running, %(max_running)s) = 0
@@ -170,14 +176,16 @@ SELECT {", ".join(f'claimed."{column}"' for column in task_columns)},
 
 
 @transaction.atomic
-def _claim_counting_running(task_id: str, worker: str, model: str | None) -> Task | None:
+def _claim_counting_running(
+    task_id: str, worker: str, model: str | None, preferred: str | None
+) -> Task | None:
     """``claim`` when the fairest task's owner has a running limit: the owner's
     row is locked and its running generations counted (``quotas.may_start``),
     and a slot its owner may not use goes to the next owner in the fair order."""
     clock = fairness.lock_clock(task_id, model)
     if clock is None:
         return None
-    task = fairness.take_fairest(clock)
+    task = fairness.take_fairest(clock, preferred)
     if task is None:
         return None
     now = timezone.now()
@@ -310,6 +318,41 @@ def _values(width: int, params: int) -> str:
     row: an id, then integers, then text."""
     row = "(" + ", ".join(["%s", "%s::integer", "%s::integer"][:width] + ["%s"] * (width - 3)) + ")"
     return ", ".join([row] * (params // width))
+
+
+def hand_back(flush: Flush) -> bool:
+    """A worker gives a running task back to the queue (its engine needed the
+    memory, or the worker is draining): its last flush is written, with the
+    checkpoint the next attempt resumes from, and the task is queued again at
+    once, in one transaction. It keeps its fair key, so it is claimed before
+    anything queued after it; a cancel asked meanwhile ends it instead. False
+    if the worker had lost the task already."""
+    with transaction.atomic():
+        if not record_progress_many([flush])[0].owned:
+            return False
+        task = Task.objects.select_for_update().select_related("response").get(id=flush.task_id)
+        if task.cancel_requested:
+            _finalize(task, *_partial_outcome(task, Status.CANCELLED))
+            return True
+        queue = _queue_of(task)
+        if queue is None:
+            _fail_model_gone(task)
+            return True
+        task.handed_back += 1
+        _queue_again(task, queue, timezone.now(), "handed_back")
+    return True
+
+
+def _queue_again(task: Task, queue: str, now: timezone.datetime, *changed: str) -> None:
+    """Put a locked running task back in its model's queue, keeping its fair
+    key (lease expired, or handed back), and send its job after commit."""
+    task.status = Status.QUEUED
+    task.worker = ""
+    task.lease_expires_at = None
+    task.enqueued_at = now
+    task.save(update_fields=["status", "worker", "lease_expires_at", "enqueued_at", *changed])
+    fairness.forget_position(task.id)
+    enqueue_on_commit(task, queue)
 
 
 def renew_lease(task_id: str, attempt: int) -> bool:
@@ -455,10 +498,11 @@ def _sweep_expired(task_id: str, now: timezone.datetime, report: SweepReport) ->
         if task.cancel_requested:
             _finalize(task, *_partial_outcome(task, Status.CANCELLED))
             report.ended.append(task.id)
-        elif task.attempt >= settings.LMSP_MAX_ATTEMPTS:
+        elif task.attempt - task.handed_back >= settings.LMSP_MAX_ATTEMPTS:
             error = problem(
                 "worker_lost",
-                f"The worker running this task was lost {task.attempt} times; giving up.",
+                f"The worker running this task was lost {task.attempt - task.handed_back} "
+                "times; giving up.",
             )
             _finalize(task, *_partial_outcome(task, Status.FAILED, error))
             report.ended.append(task.id)
@@ -467,13 +511,7 @@ def _sweep_expired(task_id: str, now: timezone.datetime, report: SweepReport) ->
             report.failed.append(task.id)
         else:
             log.warning("Lease of %s (attempt %s) expired; re-queueing", task.id, task.attempt)
-            task.status = Status.QUEUED
-            task.worker = ""
-            task.lease_expires_at = None
-            task.enqueued_at = now
-            task.save(update_fields=["status", "worker", "lease_expires_at", "enqueued_at"])
-            fairness.forget_position(task.id)
-            enqueue_on_commit(task, queue)
+            _queue_again(task, queue, now)
             report.requeued.append(task.id)
 
 

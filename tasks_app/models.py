@@ -41,6 +41,9 @@ class Task(models.Model):
 
     # Ownership of the running job.
     attempt = models.PositiveIntegerField(default=0)
+    # Attempts whose worker handed the task back (preempted for memory,
+    # drained): not lost, so not counted against LMSP_MAX_ATTEMPTS.
+    handed_back = models.PositiveIntegerField(default=0)
     worker = models.CharField(max_length=200, blank=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True, db_index=True)
     cancel_requested = models.BooleanField(default=False)

@@ -52,15 +52,21 @@ IDLE_FLUSH_SECONDS = 0.25
 
 
 def worker_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """This model worker as Celery, its heartbeats and its claims name it."""
+    return f"models-{os.getpid()}@{socket.gethostname()}"
 
 
-def run_task(task_id: str, worker: str | None = None, model: str | None = None) -> str | None:
+def run_task(
+    task_id: str, worker: str | None = None, model: str | None = None, preferred: bool = False
+) -> str | None:
     """Generate the fairest queued task of the job's model (``model``, else
     ``task_id``'s: a job is a slot for its model, see ``lifecycle.claim``) to
-    its end; returns its final status, or None when there was nothing to do
-    or the task was handed on."""
-    task = lifecycle.claim(task_id, worker or worker_name(), model)
+    its end, or ``task_id`` itself when the job was sent to this worker for
+    it (``preferred``: a conversation's next turn); returns its final
+    status, or None when there was nothing to do or the task was handed on."""
+    task = lifecycle.claim(
+        task_id, worker or worker_name(), model, preferred=task_id if preferred else None
+    )
     if task is None:
         return None
     if task.model not in declared_models():  # removed from models.toml while queued
@@ -84,6 +90,7 @@ class GenerationRun:
     def __init__(self, task: Task) -> None:
         self.task_id = task.id
         self.attempt = task.attempt
+        self.fair_key = task.fair_key
         self.response = task.response
         self.params = GenerationParams.from_json(self.response.params)
         self.spec = declared_models()[task.model]
@@ -97,7 +104,9 @@ class GenerationRun:
         self.pending: list[tuple[str, dict]] = []
         self.events_flushed = False  # by this attempt
         # Read under the claim's lock: a cancel before the start needs no flush.
-        self.stop: str | None = "cancelled" if task.cancel_requested else None  # or "lost"
+        # Else "lost" (the task was handed on) or "preempted" (the engine
+        # needed its memory: handed back to the queue).
+        self.stop: str | None = "cancelled" if task.cancel_requested else None
         self.ended_by_model = False
         self.ended_by_grammar = False  # complete, but the token limit came before the end token
         # LMSP_MAX_JOB_SECONDS from the task's first start, over all attempts.
@@ -123,6 +132,12 @@ class GenerationRun:
         if self.stop == "lost":
             log.warning("Task %s attempt %s was handed on; stopping", self.task_id, self.attempt)
             return None
+        if self.stop == "preempted":
+            # What the detokenizer holds back stays held: the next attempt
+            # resumes from this checkpoint as if nothing happened.
+            log.info("Task %s attempt %s preempted; handed back", self.task_id, self.attempt)
+            lifecycle.hand_back(self._progress(detok))
+            return None
         self.pending += self.assembler.feed(detok.rest(self.token_ids))
         return self._finish()
 
@@ -145,9 +160,7 @@ class GenerationRun:
             engine.Sampling(max_new_tokens=remaining, temperature=self.params.temperature),
             generated_ids=self.token_ids,
             grammar=constraints.compiled_grammar(lm, self.params),
-            # On a CPU the next step would take the cores the first token's
-            # write needs (bench/README.md); on a GPU holding it would idle the device.
-            hold_after_first=lm.model.device.type == "cpu",
+            priority=self.fair_key,  # the engine admits waiting requests in the fair order
         )
         interval = settings.LMSP_FLUSH_INTERVAL_SECONDS
         stack, counted = ExitStack(), False
@@ -181,17 +194,16 @@ class GenerationRun:
                     due = due or (not self.events_flushed and bool(self.pending))
                 if due:
                     self._flush(detok)
-                if token_id is not None:  # a token handled (a poll is not): the batch steps on
-                    generation.release()
                 if self.stop is not None or self._past_deadline():
                     return
         finally:
             generation.cancel()  # leaves the batch at its next step; no-op once finished
-            generation.release()
             stack.close()
             timer.push()
         if generation.error is not None:
             raise generation.error
+        if generation.finish_reason == "preempted" and self.stop is None:
+            self.stop = "preempted"
 
     def _past_deadline(self) -> bool:
         """Whether the job has run ``LMSP_MAX_JOB_SECONDS``: it then ends
@@ -225,16 +237,18 @@ class GenerationRun:
             done.set()
             keeper.join()
 
-    def _flush(self, detok: engine.IncrementalDetokenizer) -> None:
+    def _progress(self, detok: engine.IncrementalDetokenizer) -> lifecycle.Flush:
+        """The events and tokens since the last flush, with the checkpoint they lead to."""
         checkpoint = {
             "tokens": len(self.token_ids),
             "detokenizer": detok.offsets(),
             "assembler": self.assembler.compact_state(),
         }
         new_token_ids = self.token_ids[self.flushed_tokens :]
-        progress = flush_group.write(
-            lifecycle.Flush(self.task_id, self.attempt, self.pending, new_token_ids, checkpoint)
-        )
+        return lifecycle.Flush(self.task_id, self.attempt, self.pending, new_token_ids, checkpoint)
+
+    def _flush(self, detok: engine.IncrementalDetokenizer) -> None:
+        progress = flush_group.write(self._progress(detok))
         self.flushed_tokens = len(self.token_ids)
         self.events_flushed = self.events_flushed or bool(self.pending)
         self.pending = []
