@@ -42,6 +42,39 @@ HISTOGRAMS = {
 }
 
 
+# The gauges of the workers' beats (``workers.tasks.EngineReport``) ...
+ENGINE_GAUGES = {
+    "token_budget": (
+        "lmsp_kv_budget_tokens",
+        "Tokens of keys and values the live workers' engines may hold "
+        "(models.toml, or their GPU's memory).",
+    ),
+    "tokens_in_use": (
+        "lmsp_kv_tokens_in_use",
+        "Tokens of the budget in use: the running requests' (their prompts whole) "
+        "and the prefix cache's.",
+    ),
+    "cache_tokens": ("lmsp_prefix_cache_tokens", "Tokens kept in the prefix caches."),
+    "cache_entries": ("lmsp_prefix_cache_entries", "Token sequences kept in the prefix caches."),
+}
+# ... and their counts (``recorders.ENGINE_COUNTS``).
+ENGINE_COUNTERS = {
+    "prompt_tokens_computed": (
+        "lmsp_prompt_tokens_computed",
+        "Prompt tokens the engines computed (those taken from the prefix cache not included).",
+    ),
+    "prefix_hits": ("lmsp_prefix_cache_hits", "Prompts that started with a cached prefix."),
+    "prefix_tokens_reused": (
+        "lmsp_prefix_cache_tokens_saved",
+        "Prompt tokens taken from the prefix cache instead of computed.",
+    ),
+    "preemptions": (
+        "lmsp_preemptions",
+        "Generations handed back to the queue because their engine needed the memory.",
+    ),
+}
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -110,9 +143,11 @@ class LmspCollector(Collector):
             "lmsp_workers_alive", "Model workers serving the model (heartbeats).", labels=["model"]
         )
         served = heartbeat.serving_workers()
-        for model in sorted(set(available_models()) | set(served)):
+        models = sorted(set(available_models()) | set(served))
+        for model in models:
             workers.add_metric([model], len(served.get(model, [])))
         yield workers
+        yield from self._engines(client, models, served)
 
         last = GaugeMetricFamily(
             "lmsp_job_last_success_timestamp_seconds",
@@ -130,6 +165,28 @@ class LmspCollector(Collector):
             stale.add_metric([health.job], 1 if health.stale else 0)
         yield last
         yield stale
+
+    def _engines(
+        self, client: redis.Redis, models: list[str], served: dict[str, list[heartbeat.Beat]]
+    ) -> Iterator[Metric]:
+        """What the live workers' engines hold (their last beats, added up) and
+        what they counted."""
+        for name, (metric, documentation) in ENGINE_GAUGES.items():
+            family = GaugeMetricFamily(metric, documentation, labels=["model"])
+            for model in models:
+                beats = served.get(model, [])
+                family.add_metric([model], sum(beat.engine.get(name, 0) for beat in beats))
+            yield family
+        counted: dict[tuple[str, str], int] = {}
+        for field, count in client.hgetall(recorders.ENGINE_COUNTS_KEY).items():
+            labels = _text(field).split(recorders.FIELD_SEPARATOR)
+            if len(labels) == 2:
+                counted[(labels[0], labels[1])] = int(count)
+        for name, (metric, documentation) in ENGINE_COUNTERS.items():
+            family = CounterMetricFamily(metric, documentation, labels=["model"])
+            for model in models:
+                family.add_metric([model], counted.get((model, name), 0))
+            yield family
 
     def _histogram(
         self, client: redis.Redis, name: str, metric: str, documentation: str

@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 PREFIX = "lmsp:metrics:"
 REQUESTS_KEY = PREFIX + "requests"  # field: endpoint \t method \t status
 OUTPUT_TOKENS_KEY = PREFIX + "output_tokens"  # field: model
+ENGINE_COUNTS_KEY = PREFIX + "engine"  # field: model \t count name (ENGINE_COUNTS)
+# What the workers' engines count (workers.scheduler.SchedulerStats).
+ENGINE_COUNTS = ("prompt_tokens_computed", "prefix_hits", "prefix_tokens_reused", "preemptions")
 STREAMS_PREFIX = PREFIX + "sse:"  # one counter per web process, with a time to live
 JOBS_KEY = "lmsp:jobs:last_success"  # field: job name, value: Unix time
 TTFT = "ttft"
@@ -135,6 +138,18 @@ _pusher = _Pusher()
 def count_request(endpoint: str, method: str, status: int) -> None:
     """One HTTP request answered by a web process (queued for ``_Pusher``)."""
     _pusher.put("request", FIELD_SEPARATOR.join((endpoint, method, str(status))))
+
+
+def add_engine_counts(model: str, counts: dict[str, int]) -> None:
+    """What a worker's engine for ``model`` counted since its last call."""
+    try:
+        pipe = client().pipeline(transaction=False)
+        for name, count in counts.items():
+            if count:
+                pipe.hincrby(ENGINE_COUNTS_KEY, FIELD_SEPARATOR.join((model, name)), count)
+        pipe.execute()
+    except REDIS_ERRORS as exc:
+        log.warning("engine counts of %s not recorded: %s", model, exc)
 
 
 def job_succeeded(job: str) -> None:

@@ -12,8 +12,8 @@ from . import runner
 
 
 @shared_task(name="workers.tasks.run_task")
-def run_task(task_id: str, model: str | None = None) -> str | None:
-    return runner.run_task(task_id, model=model)
+def run_task(task_id: str, model: str | None = None, preferred: bool = False) -> str | None:
+    return runner.run_task(task_id, model=model, preferred=preferred)
 
 
 @shared_task(name="workers.tasks.sweep_tasks")
@@ -63,8 +63,39 @@ def serve_models(sender: object, **_: object) -> None:
 
         grammar_limits.warm()
     if served:
-        _heartbeat = heartbeat.Heartbeat([spec.id for spec in served], sender.hostname)
+        _heartbeat = heartbeat.Heartbeat(
+            [spec.id for spec in served], sender.hostname, EngineReport()
+        )
         _heartbeat.start()
+
+
+class EngineReport:
+    """What a model's engine holds now, for its heartbeat (the gauges of
+    ``/metrics``); its counts since the last beat go to Redis meanwhile."""
+
+    def __init__(self) -> None:
+        self._counted: dict[str, dict[str, int]] = {}
+
+    def __call__(self, model_id: str) -> dict[str, int]:
+        from generation.registry import available_models
+
+        from .batching import engine_for
+        from .loading import load_model
+
+        spec = available_models()[model_id]
+        stats = engine_for(load_model(spec), spec.max_batch).stats()
+        counts = {name: getattr(stats.counts, name) for name in recorders.ENGINE_COUNTS}
+        before = self._counted.get(model_id, dict.fromkeys(counts, 0))
+        recorders.add_engine_counts(model_id, {k: v - before[k] for k, v in counts.items()})
+        self._counted[model_id] = counts
+        return {
+            "token_budget": stats.token_budget,
+            "tokens_in_use": stats.held_tokens,
+            "cache_tokens": stats.cached_tokens,
+            "cache_entries": stats.cache_entries,
+            # room for a conversation's next turn (tasks_app.routing)
+            "free_slots": spec.max_batch - stats.running - stats.waiting,
+        }
 
 
 @worker_shutdown.connect
