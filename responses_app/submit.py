@@ -109,6 +109,7 @@ def start_generation(owner: AbstractBaseUser, prepared: PreparedGeneration, kind
         prepared.input_tokens,
         kind=kind,
         cost=prepared.params.max_output_tokens,
+        follows=prepared.previous.pk if prepared.previous else None,
     )
 
 

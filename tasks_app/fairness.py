@@ -95,16 +95,22 @@ SELECT claimed.model, 0 FROM (SELECT {CLAIMED_MODEL_SQL} AS model) AS claimed
 """
 
 
-def take_fairest(clock: ModelClock) -> Task | None:
+def take_fairest(clock: ModelClock, preferred: str | None = None) -> Task | None:
     """Lock and return the queued task of the (locked) ``clock``'s model a free
-    slot should take, with its response, or None (nothing queued, or every
-    waiting owner at its running quota). Call inside the claiming transaction."""
+    slot should take (the ``preferred`` one first), with its response, or None
+    (nothing queued, or every waiting owner at its running quota). Call inside
+    the claiming transaction."""
     passed_over: list[int] = []  # owners at their running quota
     while True:
         with connection.cursor() as cursor:
             cursor.execute(
-                fairest_sql(),
-                {"model": clock.model, "queued": Status.QUEUED.value, "passed_over": passed_over},
+                fairest_sql(preferring=preferred is not None),
+                {
+                    "model": clock.model,
+                    "queued": Status.QUEUED.value,
+                    "passed_over": passed_over,
+                    "preferred": preferred,
+                },
             )
             row = cursor.fetchone()
         if row is None:
@@ -125,12 +131,15 @@ def take_fairest(clock: ModelClock) -> Task | None:
 # rows only key-shared, by an event or a position being written for the task,
 # are not skipped), read with what the run needs first (its response, its
 # columns prefixed ``r_``) and whether the owner has a running limit of its
-# own to check (``own_max_running``).
+# own to check (``own_max_running``). ``preferring``: the task %(preferred)s
+# goes first while it is queued (a job sent to one worker for it).
 @functools.cache
-def fairest_sql(model: str = "%(model)s") -> str:
+def fairest_sql(model: str = "%(model)s", preferring: bool = False) -> str:
     task = ", ".join(f't."{column}"' for column in columns(Task))
     response = ", ".join(f'r."{column}" AS "r_{column}"' for column in columns(response_model()))
-    order = ", ".join(f"t.{name}" for name in FAIR_ORDER)
+    order = ", ".join(
+        ["t.id = %(preferred)s DESC"] * preferring + [f"t.{name}" for name in FAIR_ORDER]
+    )
     return f"""
 SELECT {task}, {response},
        (SELECT max_running FROM tasks_app_ownerquota WHERE owner_id = t.owner_id)

@@ -17,7 +17,7 @@ from lmsp_core.errors import ProblemError
 from lmsp_core.ids import new_id
 from lmsp_core.status import Status
 
-from . import fairness, lifecycle, quotas
+from . import fairness, lifecycle, quotas, routing
 from .event_log import EventLog
 from .models import Event, Task, UsageRecord
 
@@ -98,6 +98,7 @@ def start_task(
     input_tokens: int,
     kind: str,
     cost: int = 1,
+    follows: str | None = None,
 ) -> Task:
     """Store ``response`` (its app's row, built unsaved) and the task that
     generates it, with the task's ``response.created`` event and its usage
@@ -110,7 +111,8 @@ def start_task(
 
     ``cost`` is what fair sharing charges the owner for the task: its output
     token budget. Under the owner's lock its tasks get their fair keys one at
-    a time (``fairness.FAIR_KEY_SQL``)."""
+    a time (``fairness.FAIR_KEY_SQL``). ``follows``: the response this one
+    continues, whose worker it is sent to if it can (``routing``)."""
     now = timezone.now()
     task = Task(
         id=new_id("task"),
@@ -162,7 +164,7 @@ def start_task(
     task.fair_key = fair_key
     # What its first follower in this process need not read back (``streams``).
     task.events_at_creation = announced
-    lifecycle.enqueue_on_commit(task, spec.queue)
+    lifecycle.enqueue_on_commit(task, *routing.queue_for(spec, follows))
     return task
 
 

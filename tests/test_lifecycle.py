@@ -13,6 +13,9 @@ from django.contrib.auth import get_user_model
 from django.db import connection
 from django.utils import timezone
 
+from generation.output import OutputAssembler
+from generation.params import GenerationParams
+from generation.registry import get_model
 from lmsp_core.errors import ProblemError
 from lmsp_core.status import Status
 from responses_app.serializers import validate_response_request
@@ -306,3 +309,85 @@ def test_an_owner_at_its_running_quota_waits_until_a_generation_ends(settings):
     outcome = lifecycle.Outcome(status=Status.INCOMPLETE)
     assert lifecycle.finish(first.id, claimed.attempt, [], outcome)
     assert lifecycle.claim(first.id, "w4").id == second.id
+
+
+@pytest.mark.parametrize("running_limit", [0, 1])
+def test_a_job_sent_to_a_worker_for_its_task_claims_that_task_first(settings, running_limit):
+    """A conversation's next turn sent to the worker that holds the
+    conversation is claimed there before fairer tasks; a spare job of that
+    kind, its task gone, is a plain slot. Both claim paths."""
+    settings.LMSP_QUOTA_MAX_RUNNING = running_limit
+    fairer, follow_up = new_task(), new_task()
+    assert lifecycle.claim(follow_up.id, "w1", follow_up.model, preferred=follow_up.id).id == (
+        follow_up.id
+    )
+    assert lifecycle.claim(follow_up.id, "w2", follow_up.model, preferred=follow_up.id).id == (
+        fairer.id
+    )
+
+
+def test_a_handed_back_task_is_queued_again_first_and_keeps_its_attempts(settings):
+    """Handing back (the engine needed the memory) writes the last flush and
+    queues the task again at once, with its fair key: it is claimed before a
+    task queued after it, and resumes from its checkpoint. It is no lost
+    attempt: the sweeper's count of attempts does not grow with it."""
+    settings.LMSP_MAX_ATTEMPTS = 1
+    task, later = new_task(), new_task()
+    claimed = lifecycle.claim(task.id, "w1")
+    assert claimed.id == task.id
+    checkpoint = checkpoint_of(task, tokens=2)
+    flush = lifecycle.Flush(task.id, claimed.attempt, [], [5, 6], checkpoint)
+    assert lifecycle.hand_back(flush)
+    task.refresh_from_db()
+    assert (task.status, task.worker, task.handed_back) == (Status.QUEUED, "", 1)
+    assert task.checkpoint == checkpoint and lifecycle.restore(task).token_ids == [5, 6]
+    assert not lifecycle.hand_back(flush)  # that attempt owns nothing any more
+    again = lifecycle.claim(later.id, "w2")
+    assert again.id == task.id and again.attempt == 2
+    Task.objects.filter(id=task.id).update(lease_expires_at=timezone.now() - timedelta(1))
+    assert lifecycle.sweep().requeued == [task.id]  # one lost attempt: not yet too many
+
+
+def test_a_cancel_asked_while_a_task_was_running_ends_it_when_handed_back():
+    task = new_task()
+    claimed = lifecycle.claim(task.id, "w1")
+    lifecycle.request_cancel(task.id)
+    flush = lifecycle.Flush(task.id, claimed.attempt, [], [], checkpoint_of(task, tokens=0))
+    assert lifecycle.hand_back(flush)
+    task.refresh_from_db()
+    assert task.status == Status.CANCELLED
+    assert events_of(task)[-1][1] == "response.cancelled"
+
+
+def checkpoint_of(task: Task, tokens: int) -> dict:
+    """A run's checkpoint after ``tokens`` tokens that made no text yet."""
+    assembler = OutputAssembler.for_generation(
+        task.response_id, GenerationParams(), get_model(task.model)
+    )
+    return {
+        "tokens": tokens,
+        "detokenizer": {"prefix": 0, "read": 0},
+        "assembler": assembler.compact_state(),
+    }
+
+
+def test_a_follow_up_is_sent_to_the_worker_that_ran_the_turn_before_while_it_has_room():
+    from generation import heartbeat
+    from tasks_app import routing
+
+    first = new_task(store=True)
+    spec = get_model(first.model)
+    assert routing.queue_for(spec, None) == (spec.queue, False)
+    assert routing.queue_for(spec, first.response_id) == (spec.queue, False)  # never ran
+    Task.objects.filter(id=first.id).update(worker="models-1@elsewhere")
+    assert routing.queue_for(spec, first.response_id) == (spec.queue, False)  # no heartbeat
+    try:
+        heartbeat.beat([spec.id], "models-1@elsewhere", lambda model: {"free_slots": 1})
+        assert routing.queue_for(spec, first.response_id) == (
+            spec.worker_queue("models-1@elsewhere"),
+            True,
+        )
+        heartbeat.beat([spec.id], "models-1@elsewhere", lambda model: {"free_slots": 0})
+        assert routing.queue_for(spec, first.response_id) == (spec.queue, False)  # full
+    finally:
+        heartbeat.forget([spec.id], "models-1@elsewhere")

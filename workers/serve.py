@@ -20,6 +20,8 @@ def main() -> None:
     from generation.registry import served_models
     from lmsp_project.celery import app
 
+    from .runner import worker_name
+
     served = served_models()
     if not served:
         sys.exit("No model to serve: none of models.toml's models is on this machine.")
@@ -33,10 +35,12 @@ def main() -> None:
             "threads",
             "--concurrency",
             str(concurrency),
+            # Each model's queue, and this worker's own (jobs sent here for
+            # what it has cached: ModelSpec.worker_queue).
             "--queues",
-            ",".join(spec.queue for spec in served),
+            ",".join(q for spec in served for q in (spec.queue, spec.worker_queue(worker_name()))),
             "--hostname",
-            f"models-{os.getpid()}@%h",
+            worker_name(),
             "--loglevel",
             os.environ.get("LMSP_LOG_LEVEL", "INFO"),
             *sys.argv[1:],
