@@ -97,7 +97,7 @@ class Stack:
 
     running: ClassVar[Stack | None] = None  # the one started, for tests that pause a part
 
-    def __init__(self, db: dict, redis_port: int) -> None:
+    def __init__(self, db: dict, redis_port: int, settings: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.redis_port = redis_port
         self.redis: subprocess.Popen | None = None
@@ -110,6 +110,7 @@ class Stack:
             "REDIS_URL": redis_url,
             "PYTHONUNBUFFERED": "1",
             "LMSP_DEVELOPMENT": "1",  # the built-in secret key is fine for tests
+            **(settings or {}),
         }
         python = sys.executable
         self.web = Proc(

