@@ -19,7 +19,6 @@ functions, whatever shape it sends.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
@@ -100,20 +99,13 @@ async def final_result(task: Task, cancel_if_left: bool, access: StreamAccess) -
         if _leaving(task, cancel_if_left):
             await asyncio.shield(db_call(task_services.cancel_abandoned, task.id))
         raise
-    if last is not None and last.event == "error":
-        if access.ended and _leaving(task, cancel_if_left):
+    if last is not None and last.event == "error":  # it could not be followed to its end
+        if not access.ended:
+            raise ProblemError("response_not_found", "The response was deleted meanwhile.")
+        if _leaving(task, cancel_if_left):
             await db_call(task_services.cancel_abandoned, task.id)
-        raise _problem_of(last)
+        raise unauthorized("The bearer token was revoked or expired, or its account deactivated.")
     return await db_call(_delivered_result, task.id)
-
-
-def _problem_of(error_event: StoredEvent) -> ProblemError:
-    """The answer of a synchronous request whose generation could not be
-    followed to its end: 401 for a revoked token, else the response is gone."""
-    problem = json.loads(error_event.data)["error"]
-    if problem["code"] == "unauthorized":
-        return unauthorized(problem["detail"])
-    return ProblemError("response_not_found", "The response was deleted while it was generated.")
 
 
 async def delivered_events(

@@ -32,8 +32,8 @@ token that opened it is revoked (``tasks_app.stream_access``).
 The feed of a direct response (``whole``) keeps all its events rather than a
 window: its reader may fall behind while its client reads slowly, and once
 the answer is over it is discarded from the database (``store: false``),
-so its reader could not page back to what it missed. An answer has at most
-its ``max_output_tokens`` of events.
+so its reader could not page back to what it missed. An answer has about
+as many events as output tokens, at most ``max_output_tokens``.
 
 A task re-queued after it failed (``lifecycle.requeue_failed``) goes on
 after its ``response.failed``: that final event ends the streams of the
@@ -431,7 +431,6 @@ def _acquire(task_id: str, known: Sequence[StoredEvent] = (), whole: bool = Fals
         feed = TaskFeed(task_id)
         _feeds[task_id] = feed
         hub.listen(task_id, feed.on_message)  # before the feed's first read
-        feed.whole = whole
         feed.seed(known)
     feed.whole = feed.whole or whole
     feed.followers += 1
