@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from lmsp_core.errors import ProblemError, unauthorized
 
+from . import revocation
 from .models import RESERVED_SCOPES, SCOPES, ApiToken
 
 TOKEN_PREFIX = "lmsp"
@@ -83,9 +84,15 @@ def revoke_token(prefix: str) -> int:
     prefix = prefix.strip().removeprefix(f"{TOKEN_PREFIX}_").split("_", 1)[0]
     if len(prefix) != PREFIX_LENGTH:
         return 0
-    return ApiToken.objects.filter(prefix=prefix, revoked_at__isnull=True).update(
-        revoked_at=timezone.now()
-    )
+    with transaction.atomic():
+        token_ids = list(
+            ApiToken.objects.select_for_update()
+            .filter(prefix=prefix, revoked_at__isnull=True)
+            .values_list("id", flat=True)
+        )
+        ApiToken.objects.filter(id__in=token_ids).update(revoked_at=timezone.now())
+        revocation.announce(tokens=token_ids)  # its open streams end
+    return len(token_ids)
 
 
 def bearer_credentials(header: str | None) -> tuple[str, str]:

@@ -99,6 +99,11 @@ def task_object(task: Any, queue_position: int | None = None) -> dict:  # tasks_
     }
 
 
+def deleted_object(response_id: str) -> dict:
+    """The answer to ``DELETE /responses/{id}``."""
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
 def list_object(
     data: list[dict], *, has_more: bool | None = None, next_cursor: str | None = None
 ) -> dict:
@@ -204,6 +209,13 @@ def sse_frame(event_id: int, event: str, data_json: str) -> bytes:
     """One server-sent event. Ids are integers and names come from this module,
     so neither can carry CR, LF or NUL; data is compact JSON on one line."""
     return f"id: {event_id}\nevent: {event}\ndata: {data_json}\n\n".encode()
+
+
+def error_frame(data_json: str) -> bytes:
+    """The ``error`` event that ends a stream which cannot go on: no event of
+    the log, so it has no id (a client's last id stays that of the last
+    event it got)."""
+    return f"event: error\ndata: {data_json}\n\n".encode()
 
 
 KEEPALIVE_FRAME = b": keep-alive\n\n"

@@ -171,6 +171,9 @@ LMSP_STREAM_PAGE_EVENTS = env_int("LMSP_STREAM_PAGE_EVENTS", 500)
 LMSP_MAX_STREAMS_PER_PROCESS = env_int("LMSP_MAX_STREAMS_PER_PROCESS", 20_000)
 LMSP_MAX_STREAMS_PER_TOKEN = env_int("LMSP_MAX_STREAMS_PER_TOKEN", 1_000)
 LMSP_STREAM_RETRY_AFTER_SECONDS = env_int("LMSP_STREAM_RETRY_AFTER_SECONDS", 5)
+# A revoked token's streams end at once (a message on Redis); without one (a lost
+# message, an expiry) each web process checks its streams' tokens this often.
+LMSP_STREAM_ACCESS_CHECK_SECONDS = env_float("LMSP_STREAM_ACCESS_CHECK_SECONDS", 30.0)
 # Event streams that follow a task (GET /lmsp/v1/tasks/{id}/events, GET
 # /v1/responses/{id}) and direct responses (POST /lmsp/v1/responses, /v1/responses,
 # /v1/chat/completions) are served outside Django's request handler
@@ -179,6 +182,9 @@ LMSP_STREAM_RETRY_AFTER_SECONDS = env_int("LMSP_STREAM_RETRY_AFTER_SECONDS", 5)
 LMSP_LEAN_STREAMS = env_bool("LMSP_LEAN_STREAMS", True)
 LMSP_EVENT_RETENTION_SECONDS = env_int("LMSP_EVENT_RETENTION_SECONDS", 86_400)
 LMSP_TASK_RETENTION_SECONDS = env_int("LMSP_TASK_RETENTION_SECONDS", 30 * 86_400)
+# Stored responses (store: true, the default of /v1/responses) are erased by the
+# pruner this many days after they were created; 0 or empty: kept until deleted.
+LMSP_RESPONSE_RETENTION_DAYS = env_float("LMSP_RESPONSE_RETENTION_DAYS", 0.0)
 LMSP_PRUNE_INTERVAL_SECONDS = env_float("LMSP_PRUNE_INTERVAL_SECONDS", 300.0)
 LMSP_IDEMPOTENCY_TTL_SECONDS = env_int("LMSP_IDEMPOTENCY_TTL_SECONDS", 86_400)
 # A claimed key whose request started no task this long after is taken over

@@ -335,6 +335,6 @@ class ChunkTranslator:
             if self.include_usage:
                 chunks.append({**self._chunk(None), "usage": usage(data["usage"])})
             return chunks
-        if event == "response.failed":
+        if event in ("response.failed", "error"):  # error: the stream was cut short
             return [{"error": error_object(data["error"])}]
         return []

@@ -25,14 +25,16 @@ from lmsp_core import protocol
 from lmsp_core.errors import ProblemError
 from lmsp_core.http import cpu_call, db_call, json_body
 from lmsp_core.protocol import KEEPALIVE_FRAME
-from responses_app import direct
+from responses_app import direct, records
 from responses_app.models import Response
+from responses_app.selectors import erasable_responses
 from responses_app.serializers import validate_response_request
 from responses_app.submit import submit
 from tasks_app import event_reader, idempotency
 from tasks_app import services as task_services
 from tasks_app.event_log import StoredEvent
 from tasks_app.models import Task, TaskKind
+from tasks_app.stream_access import StreamAccess
 from tasks_app.streams import SSE_HEADERS, follow_events
 
 from . import chat, responses
@@ -113,6 +115,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     task = await _submitted(
         token.owner, validated, TaskKind.DIRECT, key, translated.param_of, translated.stream
     )
+    access = StreamAccess.of(token)
     if translated.stream:
         chunks = chat.ChunkTranslator(
             task.response_id,
@@ -120,18 +123,19 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
             validated["model"],
             translated.include_usage,
         )
-        return _event_stream(_chat_frames(task, direct.cancels_if_left(key, True), chunks))
-    result = await direct.final_result(task, direct.cancels_if_left(key, False))
+        frames = _chat_frames(task, direct.cancels_if_left(key, True), chunks, access)
+        return _event_stream(frames)
+    result = await direct.final_result(task, direct.cancels_if_left(key, False), access)
     if result["status"] == "failed":
         raise _failed(result)
     return JsonResponse(chat.completion(result))
 
 
 async def _chat_frames(
-    task: Task, cancel_if_left: bool, chunks: chat.ChunkTranslator
+    task: Task, cancel_if_left: bool, chunks: chat.ChunkTranslator, access: StreamAccess
 ) -> AsyncIterator[bytes]:
-    failed = False
-    async with aclosing(direct.delivered_events(task, cancel_if_left)) as events:
+    failed = False  # an error chunk (a failed or cut short answer) ends without [DONE]
+    async with aclosing(direct.delivered_events(task, cancel_if_left, access)) as events:
         async for event in events:
             if event is None:
                 yield KEEPALIVE_FRAME
@@ -202,19 +206,20 @@ async def create_response(request: HttpRequest) -> HttpResponse:
     task = await _submitted(
         token.owner, validated, kind, key, translated.param_of, translated.stream
     )
+    access = StreamAccess.of(token)
     if translated.stream:
         translator = await db_call(_translator, task.id)
         events = (
-            follow_events(task.id, 0)
+            follow_events(task.id, 0, access=access)
             if translated.background
-            else direct.delivered_events(task, direct.cancels_if_left(key, True))
+            else direct.delivered_events(task, direct.cancels_if_left(key, True), access)
         )
         return _event_stream(_response_frames(events, translator))
     if translated.background:
         return JsonResponse(await db_call(_openai_response, task.id))
     # read before the answer is delivered: a store: false response is then gone
     _, params, _, _ = await db_call(_snapshot, task.id)
-    result = await direct.final_result(task, direct.cancels_if_left(key, False))
+    result = await direct.final_result(task, direct.cancels_if_left(key, False), access)
     if result["status"] == "failed":
         raise _failed(result)
     return JsonResponse(responses.response_object(result, params, background=False))
@@ -261,11 +266,14 @@ def _starting_after(request: HttpRequest) -> int:
     return int(raw)
 
 
-@openai_view("GET")
+@openai_view("GET", "DELETE")
 async def response_detail(request: HttpRequest, response_id: str) -> HttpResponse:
     """``GET /v1/responses/{id}``; with ``stream=true`` the events of a
-    background response from the start or after ``starting_after``."""
+    background response from the start or after ``starting_after``.
+    ``DELETE``: ``delete_response``."""
     token = await _token(request)
+    if request.method == "DELETE":
+        return await delete_response(token, response_id)
     for name in request.GET:
         if name not in ("stream", "starting_after"):
             raise ProblemError(
@@ -298,7 +306,20 @@ async def response_detail(request: HttpRequest, response_id: str) -> HttpRespons
             "without stream=true.",
         )
     translator = await db_call(_translator, task.id)
-    return _event_stream(_response_frames(follow_events(task.id, 0), translator, after))
+    events = follow_events(task.id, 0, access=StreamAccess.of(token))
+    return _event_stream(_response_frames(events, translator, after))
+
+
+def _erase(token: ApiToken, response_id: str) -> None:
+    require_scope(token, "responses:write")
+    records.erase(erasable_responses(token.owner, response_id, param="response_id"))
+
+
+async def delete_response(token: ApiToken, response_id: str) -> HttpResponse:
+    """``DELETE /v1/responses/{id}`` (``responses:write``): what LMSP's DELETE
+    erases, answered in OpenAI's shape."""
+    await db_call(_erase, token, response_id)
+    return JsonResponse({"id": response_id, "object": "response", "deleted": True})
 
 
 @openai_view("POST")

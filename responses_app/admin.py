@@ -1,14 +1,17 @@
 from django.contrib import admin
 from django.contrib.admin.utils import unquote
+from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 
-from . import transcript
+from . import records, transcript
 from .models import Response
 
 
 @admin.register(Response)
 class ResponseAdmin(admin.ModelAdmin):
-    """Read-only: a stored response is exactly what the protocol returned."""
+    """Read-only: a stored response is exactly what the protocol returned.
+    Deleting one erases it with its task and events (``records.erase``), as
+    ``DELETE /responses/{id}`` does."""
 
     list_display = ("id", "owner", "model", "status", "tokens_in", "tokens_out", "created_at")
     list_filter = ("status", "model", "owner", "store", "created_at")
@@ -56,8 +59,11 @@ class ResponseAdmin(admin.ModelAdmin):
     def has_change_permission(self, request: HttpRequest, obj: Response | None = None) -> bool:
         return False
 
-    def has_delete_permission(self, request: HttpRequest, obj: Response | None = None) -> bool:
-        return False
+    def delete_model(self, request: HttpRequest, obj: Response) -> None:
+        records.erase(Response.objects.filter(pk=obj.pk))
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet) -> None:
+        records.erase(queryset)
 
     def change_view(
         self,

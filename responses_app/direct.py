@@ -5,10 +5,15 @@ client goes away before the answer is delivered, the generation is cancelled
 (``cancel_if_left``), unless nobody but this client could want it: a replay
 of an idempotent request never cancels (the first request owns the
 generation), nor does a keyed synchronous request, whose retry with the same
-key is to get the answer. Once delivered, a ``store: false`` answer is
-discarded. Every endpoint
-that answers directly (LMSP's ``POST /responses`` and the OpenAI-compatible
-routes) goes through these functions, whatever shape it sends.
+key is to get the answer. A client whose token is revoked meanwhile is
+treated as one that left (``tasks_app.stream_access``). Once delivered, a
+``store: false`` answer is discarded. Its reader never misses a part of
+it: the task's feed keeps all its events while it is read
+(``follow_events(whole=True)``), and a stream that still cannot get to its
+end (the response was deleted) ends with an ``error`` event, never as if
+it were whole. Every endpoint that answers directly (LMSP's ``POST
+/responses`` and the OpenAI-compatible routes) goes through these
+functions, whatever shape it sends.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ from contextlib import aclosing
 from django.db import DatabaseError
 
 from lmsp_core import protocol
+from lmsp_core.errors import ProblemError, unauthorized
 from lmsp_core.http import db_call
 from tasks_app import services as task_services
 from tasks_app.event_log import StoredEvent
 from tasks_app.models import Task
+from tasks_app.stream_access import StreamAccess
 from tasks_app.streams import follow_events
 
 from . import records
@@ -63,10 +70,12 @@ def _leaving(task: Task, cancel_if_left: bool) -> bool:
     return cancel_if_left and not getattr(task, "replayed", False)
 
 
-def _events(task: Task) -> AsyncIterator[StoredEvent | None]:
-    """The task's events from the first; those it was created with come from
+def _events(task: Task, access: StreamAccess) -> AsyncIterator[StoredEvent | None]:
+    """The task's events from the first, all kept for this reader, ending
+    with a final or an ``error`` event; those it was created with come from
     the request that created it (a replay's task was read back, without them)."""
-    return follow_events(task.id, 0, getattr(task, "events_at_creation", ()))
+    known = getattr(task, "events_at_creation", ())
+    return follow_events(task.id, 0, known, access=access, whole=True)
 
 
 def _delivered_result(task_id: str) -> dict:
@@ -76,32 +85,47 @@ def _delivered_result(task_id: str) -> dict:
     return body
 
 
-async def final_result(task: Task, cancel_if_left: bool) -> dict:
+async def final_result(task: Task, cancel_if_left: bool, access: StreamAccess) -> dict:
     """Wait for the end of a direct generation and return its response object
     (LMSP's shape, whatever its status); cancel it if the client leaves first
-    (``cancel_if_left``, and not a replay)."""
+    (``cancel_if_left``, and not a replay) or its ``access`` ends (then 401).
+    A response deleted meanwhile is 404."""
+    last = None
     try:
-        async with aclosing(_events(task)) as events:
-            async for _ in events:
-                pass
+        async with aclosing(_events(task, access)) as events:
+            async for event in events:
+                last = event or last
     except asyncio.CancelledError:
         if _leaving(task, cancel_if_left):
             await asyncio.shield(db_call(task_services.cancel_abandoned, task.id))
         raise
+    if last is not None and last.event == "error":  # it could not be followed to its end
+        if not access.ended:
+            raise ProblemError("response_not_found", "The response was deleted meanwhile.")
+        if _leaving(task, cancel_if_left):
+            await db_call(task_services.cancel_abandoned, task.id)
+        raise unauthorized("The bearer token was revoked or expired, or its account deactivated.")
     return await db_call(_delivered_result, task.id)
 
 
-async def delivered_events(task: Task, cancel_if_left: bool) -> AsyncIterator[StoredEvent | None]:
+async def delivered_events(
+    task: Task, cancel_if_left: bool, access: StreamAccess
+) -> AsyncIterator[StoredEvent | None]:
     """The events of a direct generation from the first (``None``: time for a
-    keep-alive); the generation is cancelled if the stream is not read to the
-    end (``cancel_if_left``, and not a replay), and the answer discarded once
-    it is, unless it was stored."""
+    keep-alive), ending with a final event, or an ``error`` event when it
+    cannot get there (``follow_events``); the generation is cancelled if the
+    stream is not read to the end or its ``access`` ends (``cancel_if_left``,
+    and not a replay), and the answer discarded once it is delivered, unless
+    it was stored."""
     delivered = client_gone = False
+    last = None
     try:
-        async with aclosing(_events(task)) as events:
+        async with aclosing(_events(task, access)) as events:
             async for event in events:
                 yield event
-        delivered = True
+                last = event or last
+        delivered = last is not None and last.event != "error"
+        client_gone = access.ended
     except (asyncio.CancelledError, GeneratorExit):
         # The client is gone: the server cancels the stream (Django does on
         # http.disconnect) or closes it unfinished. Any other error is the

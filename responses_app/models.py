@@ -23,8 +23,10 @@ class Response(models.Model):
     # response_format, tools, tool_choice.
     params = models.JSONField(default=dict)
     store = models.BooleanField(default=False)
+    # A deleted turn leaves the later turns that continued from it: they keep
+    # their own input and output, and their context no longer holds its words.
     previous_response = models.ForeignKey(
-        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="continuations"
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="continuations"
     )
     # The prompt as rendered for the model (chat template applied), kept for
     # the admin's conversation view and for checking what the model saw.

@@ -1,8 +1,10 @@
-"""Every write of a ``Response``: create, finish, reopen and discard.
+"""Every write of a ``Response``: create, finish, reopen, discard and erase.
 
 A response is built here and created with its task (``submit``), finished and reopened
 when the task lifecycle says so (``tasks_app.signals``, connected in
-``apps``), and discarded under one rule (``discard_unneeded``).
+``apps``), discarded under one rule (``discard_unneeded``), and erased on
+request or past the retention of stored responses (``erase``,
+``forget_expired``).
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.contrib.auth.base_user import AbstractBaseUser
-from django.db.models import Q
+from django.db import transaction
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from lmsp_core.ids import new_id
 from lmsp_core.status import FINAL_STATUSES, Status
+from tasks_app import lifecycle
 from tasks_app.lifecycle import Outcome
 from tasks_app.models import Task, TaskKind
 
@@ -93,3 +97,27 @@ def discard_unneeded(delivered_task_id: str | None = None) -> int:
         task__idempotencykey__isnull=True,
     )
     return unneeded.delete()[0]
+
+
+@transaction.atomic
+def erase(responses: QuerySet[Response]) -> int:
+    """Delete ``responses`` with all they left: their tasks, events, token
+    chunks and idempotency keys (a retry with the key starts afresh). A
+    running one stops (``lifecycle.deleting``) and its streams end. Later
+    turns that continued from one stay, without it: their
+    ``previous_response`` becomes empty, and their context no longer holds
+    its words. Usage records stay: they hold no words, and the owner's
+    token quota counts them. Returns how many responses were deleted."""
+    lifecycle.deleting(Task.objects.filter(response__in=responses))
+    return responses.delete()[1].get(Response._meta.label, 0)
+
+
+def forget_expired() -> int:
+    """Erase the stored responses created more than
+    ``LMSP_RESPONSE_RETENTION_DAYS`` ago and ended (0: kept until deleted)."""
+    days = settings.LMSP_RESPONSE_RETENTION_DAYS
+    if not days:
+        return 0
+    cutoff = timezone.now() - timedelta(days=days)
+    expired = Response.objects.filter(store=True, created_at__lte=cutoff, status__in=FINAL_STATUSES)
+    return erase(expired)

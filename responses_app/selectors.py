@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from django.contrib.auth.base_user import AbstractBaseUser
+from django.db.models import Q, QuerySet
 
 from lmsp_core.errors import ProblemError
 from lmsp_core.ids import is_valid_id
+from tasks_app.models import TaskKind
 
 from .models import Response
 
@@ -18,11 +20,29 @@ def stored_response(
     if is_valid_id(response_id, "resp"):  # anything else, NUL included, is not looked up
         response = Response.objects.filter(id=response_id, owner=owner, store=True).first()
     if response is None:
-        shown = response_id if len(response_id) <= 64 else response_id[:64] + "..."
-        raise ProblemError(
-            "response_not_found", f"No stored response with id {shown!r}.", param=param
-        )
+        raise _not_found("stored response", response_id, param)
     return response
+
+
+def erasable_responses(
+    owner: AbstractBaseUser, response_id: str, param: str | None = None
+) -> QuerySet[Response]:
+    """The response ``DELETE /responses/{id}`` erases, as a query: one this
+    owner can read back, stored (``store: true``) or a task's result; else
+    404, never 403."""
+    found = Response.objects.none()
+    if is_valid_id(response_id, "resp"):
+        found = Response.objects.filter(
+            Q(store=True) | Q(task__kind=TaskKind.TASK), id=response_id, owner=owner
+        )
+    if not found.exists():
+        raise _not_found("response", response_id, param)
+    return found
+
+
+def _not_found(what: str, response_id: str, param: str | None) -> ProblemError:
+    shown = response_id if len(response_id) <= 64 else response_id[:64] + "..."
+    return ProblemError("response_not_found", f"No {what} with id {shown!r}.", param=param)
 
 
 def conversation_chain(response: Response) -> list[Response]:

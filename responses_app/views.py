@@ -15,10 +15,11 @@ from lmsp_core.errors import ProblemError
 from lmsp_core.http import check_method, cpu_call, csrf_free, db_call, json_body
 from tasks_app import event_reader, idempotency
 from tasks_app.models import Task, TaskKind
+from tasks_app.stream_access import StreamAccess
 from tasks_app.streams import SSE_HEADERS, lmsp_frame
 
-from . import direct
-from .selectors import stored_response
+from . import direct, records
+from .selectors import erasable_responses, stored_response
 from .serializers import validate_response_request
 from .submit import submit
 
@@ -39,11 +40,17 @@ class ModelDetailView(APIView):
 
 
 class ResponseDetailView(APIView):
-    required_scopes = {"GET": "responses:read"}
+    required_scopes = {"GET": "responses:read", "DELETE": "responses:write"}
 
     def get(self, request: Request, response_id: str) -> DRFResponse:
         response = stored_response(request.user, response_id, param="response_id")
         return DRFResponse(protocol.response_object(response))
+
+    def delete(self, request: Request, response_id: str) -> DRFResponse:
+        """Erase a stored response or a task's result, with its task and events
+        (a running one stops); later turns of its conversation stay."""
+        records.erase(erasable_responses(request.user, response_id, param="response_id"))
+        return DRFResponse(protocol.deleted_object(response_id))
 
 
 def _final_answer(body: dict) -> HttpResponse:
@@ -68,11 +75,14 @@ async def create_response(request: HttpRequest) -> HttpResponse:
     task = await direct.accepted(
         db_call(submit, token.owner, body, kind=TaskKind.DIRECT, idempotency_key=key), leave
     )
+    access = StreamAccess.of(token)
     if body["stream"]:
         return StreamingHttpResponse(
-            _direct_stream(task, leave), content_type="text/event-stream", headers=SSE_HEADERS
+            _direct_stream(task, leave, access),
+            content_type="text/event-stream",
+            headers=SSE_HEADERS,
         )
-    return _final_answer(await direct.final_result(task, leave))
+    return _final_answer(await direct.final_result(task, leave, access))
 
 
 def _validated_body(request: HttpRequest) -> dict:
@@ -81,7 +91,7 @@ def _validated_body(request: HttpRequest) -> dict:
     return validate_response_request(json_body(request))
 
 
-async def _direct_stream(task: Task, cancel_if_left: bool):  # noqa: ANN202
-    async with aclosing(direct.delivered_events(task, cancel_if_left)) as events:
+async def _direct_stream(task: Task, cancel_if_left: bool, access: StreamAccess):  # noqa: ANN202
+    async with aclosing(direct.delivered_events(task, cancel_if_left, access)) as events:
         async for event in events:
             yield lmsp_frame(event)

@@ -6,7 +6,13 @@ class TasksAppConfig(AppConfig):
     verbose_name = "Tasks"
 
     def ready(self) -> None:
-        """A web process may hold thousands of event streams, a socket each."""
+        """A web process may hold thousands of event streams, a socket each;
+        a deleted user's tasks stop their workers and streams."""
+        from django.contrib.auth import get_user_model
+        from django.db.models.signals import pre_delete
+
+        from .lifecycle import owner_deleting
         from .streams import raise_open_file_limit
 
         raise_open_file_limit()
+        pre_delete.connect(owner_deleting, sender=get_user_model(), dispatch_uid="tasks.owner")

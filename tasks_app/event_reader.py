@@ -264,6 +264,27 @@ async def authenticated(request: HttpRequest, scope: str) -> ApiToken:
     return await judged_token(found, secret, scope)
 
 
+@functools.cache
+def _usable_tokens_sql() -> str:
+    return (
+        "SELECT k.id, k.revoked_at, k.expires_at"
+        f" FROM {ApiToken._meta.db_table} k"
+        f" JOIN {get_user_model()._meta.db_table} u ON u.id = k.owner_id"
+        " WHERE k.id = ANY(%s) AND u.is_active"
+    )
+
+
+async def usable_tokens(token_ids: list[int]) -> set[int]:
+    """Which of these tokens may still be used now (not revoked, expired or
+    deleted, and their owner active), judged as ``verified_token`` judges
+    them: one query for the tokens of every stream a process serves
+    (``tasks_app.stream_access``)."""
+    rows = await _run(_usable_tokens_sql(), (token_ids,), fetch="all")
+    now = timezone.now()
+    fields = ("id", "revoked_at", "expires_at")
+    return {row[0] for row in rows if ApiToken.from_db("default", fields, row).is_active(now)}
+
+
 async def _run(sql: str, params: tuple, fetch: str) -> Any:
     """One statement for requests that wait on it (``fetch``: "all" rows or
     "none"): a pooled connection that died with a PostgreSQL restart fails

@@ -18,13 +18,14 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
+from django.db.models import QuerySet
 from django.utils import timezone
 
 from generation.output import TEXT_DELTA_EVENTS, OutputAssembler
 from generation.registry import declared_models
 from lmsp_core import protocol, rows
 from lmsp_core.errors import ProblemError, problem
-from lmsp_core.status import Status
+from lmsp_core.status import FINAL_STATUSES, Status
 from lmsp_project.celery import app as celery_app
 
 from . import broker, fairness, notify, quotas
@@ -572,6 +573,25 @@ def sweep() -> SweepReport:
             log.exception("Sweeping the queued task %s failed", task_id)
             report.errors.append(task_id)
     return report
+
+
+def deleting(tasks: QuerySet[Task]) -> None:
+    """Before ``tasks`` are deleted, in the same transaction: lock the
+    unfinished ones, in id order as every writer of several tasks does, so
+    that no flush of their workers lands between the deletion of their
+    events and their own (the flush then finds no task and its worker
+    stops); once the deletion commits, their workers drop them at once (a
+    cancel's message) and their streams end (their feeds read them again)."""
+    assert transaction.get_connection().in_atomic_block, "deleting needs a transaction"
+    unfinished = tasks.exclude(status__in=FINAL_STATUSES).select_for_update().order_by("id")
+    for task_id in unfinished.values_list("id", flat=True):
+        transaction.on_commit(functools.partial(notify.publish_cancel, task_id))
+        transaction.on_commit(functools.partial(notify.publish_changed, task_id))
+
+
+def owner_deleting(sender: type, instance: object, **_: object) -> None:
+    """``pre_delete`` of a user (connected in ``apps``): its tasks go with it."""
+    deleting(Task.objects.filter(owner_id=instance.pk))
 
 
 @transaction.atomic

@@ -4,7 +4,9 @@ Writers publish each committed batch of events on one channel; every web
 process keeps a single subscription (``EventHub``) and hands batches to the
 one feed of that task in the process (``tasks_app.streams``). Redis only
 carries copies: PostgreSQL is the record, so a lost message costs a feed one
-database read, never an event.
+database read, never an event. The same subscription hears the revocations
+of ``accounts_app.revocation``, which end open streams
+(``tasks_app.stream_access``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable, Iterable
 import redis.asyncio as aioredis
 from django.conf import settings
 
+from accounts_app import revocation
 from lmsp_project.redis_client import REDIS_ERRORS, redis_client
 
 log = logging.getLogger(__name__)
@@ -35,6 +38,12 @@ def publish(task_id: str, events: Iterable[tuple[int, str, str]]) -> None:
     except REDIS_ERRORS as exc:
         # The events are committed; readers find them in PostgreSQL.
         log.warning("Could not publish events of %s: %s", task_id, exc)
+
+
+def publish_changed(task_id: str) -> None:
+    """Tell the task's feeds to read it again: it changed in a way its events
+    do not say (it was deleted, and its streams are to end)."""
+    publish(task_id, [])
 
 
 def publish_cancel(task_id: str) -> None:
@@ -62,6 +71,8 @@ class EventHub:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.healthy = False
         self.on_reconnect: Callable[[], None] | None = None
+        # Revocations: {"tokens": [ids], "owners": [ids]} (accounts_app.revocation).
+        self.on_revocation: Callable[[dict], None] | None = None
 
     def listen(self, task_id: str, callback: Callable[[list], None]) -> None:
         """Hand ``task_id``'s published batches to ``callback`` (replacing any other)."""
@@ -87,12 +98,12 @@ class EventHub:
             try:
                 client = aioredis.Redis.from_url(settings.REDIS_URL)
                 async with client.pubsub() as pubsub:
-                    await pubsub.subscribe(CHANNEL)
+                    await pubsub.subscribe(CHANNEL, revocation.CHANNEL)
                     self._set_healthy(True)
                     backoff = 0.2
                     async for message in pubsub.listen():
                         if message.get("type") == "message":
-                            self._dispatch(message["data"])
+                            self._dispatch(message["channel"], message["data"])
             except asyncio.CancelledError:
                 self.healthy = False
                 raise
@@ -102,9 +113,13 @@ class EventHub:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
 
-    def _dispatch(self, raw: bytes) -> None:
+    def _dispatch(self, channel: bytes, raw: bytes) -> None:
         try:
             message = json.loads(raw)
+            if channel == revocation.CHANNEL.encode():
+                if self.on_revocation is not None:
+                    self.on_revocation(message)
+                return
             callback = self._listeners.get(message.get("task"))
             if callback is not None:
                 callback(message["events"])

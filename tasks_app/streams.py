@@ -22,8 +22,23 @@ read once and shared by the followers that need them at the same time.
 
 Database or Redis errors never end a stream: the feed retries, and the
 stream goes on with keep-alives. A stream whose next events were removed by
-retention ends without a final event, so that the client's reconnect is
-answered ``410 event_history_expired``.
+retention (or whose task was deleted) ends without a final event, so that
+the client's reconnect is answered ``410 event_history_expired`` (or 404); a
+reader of events (``follow_events``: direct streams, the OpenAI routes) gets
+an ``error`` event instead, since it cannot reconnect: no stream that
+missed events ever ends as if it were whole. A stream also ends when the
+token that opened it is revoked (``tasks_app.stream_access``).
+
+The feed of a direct response (``whole``) keeps all its events rather than a
+window: its reader may fall behind while its client reads slowly, and once
+the answer is over it is discarded from the database (``store: false``),
+so its reader could not page back to what it missed. An answer has about
+as many events as output tokens, at most ``max_output_tokens``.
+
+A task re-queued after it failed (``lifecycle.requeue_failed``) goes on
+after its ``response.failed``: that final event ends the streams of the
+failed run, but no longer counts as the task's end once a later event
+follows it, so a reader resuming after it gets the new run.
 """
 
 from __future__ import annotations
@@ -39,16 +54,24 @@ from contextlib import aclosing
 from asgiref.sync import SyncToAsync
 from django.conf import settings
 
-from lmsp_core.errors import ProblemError
+from lmsp_core.errors import ProblemError, problem
 from lmsp_core.http import db_call
-from lmsp_core.protocol import FINAL_EVENTS, KEEPALIVE_FRAME, queued_frame, sse_frame
+from lmsp_core.protocol import (
+    FINAL_EVENTS,
+    KEEPALIVE_FRAME,
+    dumps,
+    error_frame,
+    queued_frame,
+    sse_frame,
+)
 from lmsp_core.status import Status
 
-from . import event_reader, fairness
+from . import event_reader, fairness, stream_access
 from .event_log import StoredEvent
 from .event_reader import READ_ERRORS
 from .models import FINAL_STATUSES
 from .notify import hub
+from .stream_access import StreamAccess
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +133,7 @@ class TaskFeed:
 
     def __init__(self, task_id: str) -> None:
         self.task_id = task_id
+        self.whole = False  # keep every event, not a window (a direct response's)
         self.frames: list[bytes] = []
         self.events: list[StoredEvent] = []  # the same events, for follow_events
         self.base = 0
@@ -181,12 +205,11 @@ class TaskFeed:
         return self.events[sent - self.base :]
 
     def ends_at(self, sent: int) -> bool:
-        """True when nothing can follow id ``sent``."""
-        if self.gone:
-            return True
+        """True when nothing can follow id ``sent``: the task's final event
+        is sent (its events up to it are here), or the task is gone."""
         if self.final_id is not None:
             return sent >= self.final_id
-        return self.task_final and sent >= self.last
+        return self.gone or (self.task_final and sent >= self.last)
 
     async def page(self, after: int) -> list[StoredEvent]:
         """Stored events from the page that holds ``after + 1``, read once for
@@ -214,8 +237,12 @@ class TaskFeed:
     # --- filling -------------------------------------------------------------------
 
     def on_message(self, events: list) -> None:
-        """A batch published by a writer: ``[(id, event, data), ...]``."""
+        """A batch published by a writer: ``[(id, event, data), ...]``; none:
+        the task changed otherwise (``notify.publish_changed``), read it."""
         if self.closed:
+            return
+        if not events:
+            self.request_read()
             return
         if not self.ready:
             self._pending.append(events)
@@ -272,9 +299,14 @@ class TaskFeed:
         self.last = event_id
         if name in FINAL_EVENTS:
             self.final_id = event_id
+        elif self.final_id is not None or self.task_final:
+            # A failed task was re-queued: its old end is not the task's end.
+            self.final_id = None
+            self.task_final = False
+            self._wake.set()  # the feed's checks resume
         self._joined.clear()
         window = settings.LMSP_STREAM_WINDOW_EVENTS
-        if len(self.frames) > window + window // 4:
+        if not self.whole and len(self.frames) > window + window // 4:
             drop = len(self.frames) - window
             del self.frames[:drop]
             del self.events[:drop]
@@ -345,7 +377,7 @@ class TaskFeed:
             # one more read, shared by the task's followers
             self.queue_position = await db_call(fairness.queue_position_of, self.task_id)
         self.pruned_through = position.pruned_through
-        window = settings.LMSP_STREAM_WINDOW_EVENTS
+        window = position.last_event_id if self.whole else settings.LMSP_STREAM_WINDOW_EVENTS
         if not self.ready:
             start = max(position.pruned_through, position.last_event_id - window, 0)
             rows = await self._read(start, position.last_event_id)
@@ -387,18 +419,20 @@ def _on_hub_change() -> None:
     """Redis came back (messages were lost meanwhile) or went away (start polling)."""
     for feed in _feeds.values():
         feed.request_read()
+    stream_access.check_soon()  # revocations may have been lost too
 
 
 hub.on_reconnect = _on_hub_change
 
 
-def _acquire(task_id: str, known: Sequence[StoredEvent] = ()) -> TaskFeed:
+def _acquire(task_id: str, known: Sequence[StoredEvent] = (), whole: bool = False) -> TaskFeed:
     feed = _feeds.get(task_id)
     if feed is None or feed.closed:
         feed = TaskFeed(task_id)
         _feeds[task_id] = feed
         hub.listen(task_id, feed.on_message)  # before the feed's first read
         feed.seed(known)
+    feed.whole = feed.whole or whole
     feed.followers += 1
     return feed
 
@@ -412,33 +446,62 @@ def _release(feed: TaskFeed) -> None:
             hub.unlisten(feed.task_id)
 
 
-def follow(task_id: str, after: int) -> AsyncIterator[bytes]:
-    """Frames of every event after ``after``, live ones included, until the
-    final event; keep-alive comments while nothing else is sent (``: queued N``
-    while the task waits in its queue). Ends early, without a final event,
-    when the events it needs were removed by retention (or the task was
-    deleted): a reconnect is then told why."""
-    return _deliveries(task_id, after, with_events=False)
-
-
 def lmsp_frame(event: StoredEvent | None) -> bytes:
-    """The LMSP frame of a followed event; ``None`` is a keep-alive comment."""
-    return KEEPALIVE_FRAME if event is None else sse_frame(event.id, event.event, event.data)
+    """The LMSP frame of a followed event; ``None`` is a keep-alive comment.
+    The ``error`` event that ends a stream cut short is no event of the log
+    and carries no id: a client's last id stays the last event it got."""
+    if event is None:
+        return KEEPALIVE_FRAME
+    if event.event == "error":
+        return error_frame(event.data)
+    return sse_frame(event.id, event.event, event.data)
 
 
 async def follow_events(
-    task_id: str, after: int, known: Sequence[StoredEvent] = ()
+    task_id: str,
+    after: int,
+    known: Sequence[StoredEvent] = (),
+    *,
+    access: StreamAccess | None = None,
+    whole: bool = False,
 ) -> AsyncIterator[StoredEvent | None]:
-    """The events ``follow`` sends, one by one (``None``: time for a keep-alive),
-    for readers that speak another stream format than LMSP's. ``known``: the
-    events of a task this process has just created (``TaskFeed.seed``)."""
-    async with aclosing(_deliveries(task_id, after, True, known=known)) as deliveries:
+    """The events a follower gets, one by one (``None``: time for a
+    keep-alive), for readers that speak another stream format than LMSP's
+    or cannot reconnect. ``known``: the events of a task this process has
+    just created (``TaskFeed.seed``); ``whole``: the task is a direct
+    response, whose feed keeps every event for its slow readers.
+
+    Ends after the task's final event or, when it cannot get there, with an
+    ``error`` event (id 0: not of the log) whose problem says why:
+    ``unauthorized`` when ``access`` was taken away, else
+    ``event_history_expired`` (events it needed were removed, or the task
+    was deleted)."""
+    finished = False
+    stream = _deliveries(task_id, after, True, known=known, access=access, whole=whole)
+    async with aclosing(stream) as deliveries:
         async for delivery in deliveries:
             if isinstance(delivery, bytes):
                 yield None
                 continue
             for event in delivery[1]:
+                finished = event.event in FINAL_EVENTS
                 yield event
+    if not finished:
+        yield StoredEvent(0, "error", dumps({"error": _cut_short(task_id, access)}))
+
+
+def _cut_short(task_id: str, access: StreamAccess | None) -> dict:
+    if access is not None and access.ended:
+        return problem(
+            "unauthorized",
+            "The token of this stream was revoked or has expired, or its account was "
+            "deactivated; the stream cannot continue.",
+        )
+    return problem(
+        "event_history_expired",
+        f"Events of {task_id} this stream still needed were removed (by retention, or "
+        "with the response); it cannot continue.",
+    )
 
 
 async def _deliveries(
@@ -447,23 +510,30 @@ async def _deliveries(
     with_events: bool,
     release: Callable[[], None] | None = None,
     known: Sequence[StoredEvent] = (),
+    access: StreamAccess | None = None,
+    whole: bool = False,
 ) -> AsyncIterator[tuple[bytes, list[StoredEvent]] | bytes]:
-    """What ``follow`` sends: frames joined in one chunk (with ``with_events``,
-    as a pair with the events they carry), or a keep-alive comment when one
-    is due. The frames of the window are joined once for every follower
-    standing at the same id. One generator per follower, the only object a
-    waiting stream holds besides its connection; ``release`` is called when
-    it ends."""
-    feed = _acquire(task_id, known)
+    """What a follower is sent: frames joined in one chunk (with
+    ``with_events``, as a pair with the events they carry), or a keep-alive
+    comment when one is due. The frames of the window are joined once for
+    every follower standing at the same id. One generator per follower, the
+    only object a waiting stream holds besides its connection (and its
+    ``access``, which ends it when taken away); ``release`` is called when
+    it ends. Ends after the task's final event, or early, without one, when
+    the events it needs are gone or its access ended (a reconnect is then
+    told why: 410, 404 or 401)."""
+    feed = _acquire(task_id, known, whole)
     loop = asyncio.get_running_loop()
     waiter = _Waiter()
+    if access is not None:
+        access.open(waiter.wake)
     keepalive = settings.LMSP_KEEPALIVE_SECONDS
     sent = after
     quiet_since = time.monotonic()
     backoff = 0.2
     parked = False
     try:
-        while True:
+        while access is None or not access.ended:
             if feed.ready and not feed.ends_at(sent):
                 if sent < feed.base:  # before the window: replay from the database
                     if sent < feed.pruned_through:
@@ -481,7 +551,7 @@ async def _deliveries(
                         frames = b"".join(sse_frame(e.id, e.event, e.data) for e in rows)
                         yield (frames, rows) if with_events else frames
                         sent, quiet_since = rows[-1].id, time.monotonic()
-                        if rows[-1].event in FINAL_EVENTS:
+                        if rows[-1].event in FINAL_EVENTS and feed.ends_at(sent):
                             return
                         continue
                 elif sent < feed.last:
@@ -509,6 +579,8 @@ async def _deliveries(
     finally:
         feed.forget(waiter)
         _release(feed)
+        if access is not None:
+            access.close()
         if release is not None:
             release()
 
@@ -579,10 +651,16 @@ def _overloaded(detail: str) -> ProblemError:
     return ProblemError("overloaded", detail, headers={"Retry-After": str(seconds)})
 
 
-def admitted_stream(task_id: str, after: int, release: Callable[[], None]) -> AsyncIterator[bytes]:
-    """``follow`` that gives its admission back when it ends, or when it is
-    dropped before it ever started (a client gone before the first byte)."""
-    stream = _deliveries(task_id, after, with_events=False, release=release)
+def admitted_stream(
+    task_id: str, after: int, release: Callable[[], None], access: StreamAccess | None = None
+) -> AsyncIterator[bytes]:
+    """The frames of every event after ``after``, live ones included, until the
+    final event, with keep-alive comments while nothing else is sent
+    (``: queued N`` while the task waits in its queue); ends early, without a
+    final event, when the events it needs are gone or ``access`` ended.
+    Gives its admission back when it ends, or when it is dropped before it
+    ever started (a client gone before the first byte)."""
+    stream = _deliveries(task_id, after, with_events=False, release=release, access=access)
     weakref.finalize(stream, release)
     return stream
 

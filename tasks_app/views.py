@@ -18,6 +18,7 @@ from lmsp_core.validation import integer_param, validation_problem
 from . import event_reader, fairness, idempotency, selectors, services, task_types
 from .models import Task
 from .serializers import TaskRequestSerializer
+from .stream_access import StreamAccess
 from .streams import SSE_HEADERS, admit, admitted_stream
 
 
@@ -129,7 +130,7 @@ async def task_events(request: HttpRequest, task_id: str) -> HttpResponse:
         )
     release = admit(token.pk)
     return StreamingHttpResponse(
-        admitted_stream(task.id, after, release),
+        admitted_stream(task.id, after, release, StreamAccess.of(token)),
         content_type="text/event-stream",
         headers=SSE_HEADERS,
     )

@@ -173,7 +173,8 @@ def parse_sse(raw: str) -> list[dict]:
             fields[name] = value
         if "data" in fields:
             fields["data"] = json.loads(fields["data"])
-            fields["id"] = int(fields["id"])
+            # none: an error event that ends a stream cut short (not of the log)
+            fields["id"] = int(fields["id"]) if "id" in fields else None
         events.append(fields)
     return [e for e in events if "event" in e]
 

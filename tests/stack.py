@@ -34,6 +34,8 @@ STACK_SETTINGS = {
     "LMSP_STREAM_CHECK_SECONDS": "2",
     "LMSP_STREAM_WINDOW_EVENTS": "32",
     "LMSP_STREAM_PAGE_EVENTS": "16",
+    # A revoked token whose message was lost: its streams end within seconds.
+    "LMSP_STREAM_ACCESS_CHECK_SECONDS": "2",
 }
 
 

@@ -267,15 +267,40 @@ def test_response_page_shows_error_and_delta_events(admin_client, conversation, 
 
 
 def test_response_pages_are_read_only(admin_client, conversation):
+    # Deleting is the one change allowed (issue 29: every stored word can be
+    # erased): test_a_response_is_deleted_with_its_task_and_events.
     first, _ = conversation
     url = change_url(first)
     html = admin_client.get(url).content.decode()
-    assert 'name="_save"' not in html and "deletelink" not in html
+    assert 'name="_save"' not in html
     assert admin_client.post(url, {"status": "failed"}).status_code == 403
     assert admin_client.get("/admin/responses_app/response/add/").status_code == 403
-    assert admin_client.get(change_url(first).replace("/change/", "/delete/")).status_code == 403
     first.refresh_from_db()
     assert first.status == "completed"
+
+
+def test_a_response_is_deleted_with_its_task_and_events(admin_client, conversation):
+    """The admin erases a response as DELETE /responses/{id} does: its task and
+    events go; the later turn that continued from it stays, without it."""
+    first, second = conversation
+    task_id = first.task.id
+    delete_url = change_url(first).replace("/change/", "/delete/")
+    assert "deletelink" in admin_client.get(change_url(first)).content.decode()
+    page = admin_client.get(delete_url)
+    assert page.status_code == 200 and "Are you sure" in page.content.decode()
+    assert admin_client.post(delete_url, {"post": "yes"}).status_code == 302
+    assert not Response.objects.filter(pk=first.pk).exists()
+    assert not Task.objects.filter(pk=task_id).exists()
+    assert not Event.objects.filter(task_id=task_id).exists()
+    second.refresh_from_db()
+    assert second.previous_response is None and second.task.events.exists()
+    # and the list's bulk action
+    answer = admin_client.post(
+        "/admin/responses_app/response/",
+        {"action": "delete_selected", "_selected_action": [second.pk], "post": "yes"},
+    )
+    assert answer.status_code == 302 and not Response.objects.exists()
+    assert not Task.objects.exists() and not Event.objects.exists()
 
 
 # --- tasks ------------------------------------------------------------------------------------
@@ -370,6 +395,7 @@ def test_tasks_cannot_be_added_edited_or_deleted(admin_client, conversation):
     url = change_url(task)
     assert admin_client.post(url, {"status": "queued"}).status_code == 403
     assert admin_client.get(change_url(task).replace("/change/", "/delete/")).status_code == 403
+    assert "deletelink" not in admin_client.get(url).content.decode()
 
 
 # --- API tokens -------------------------------------------------------------------------------
@@ -558,3 +584,22 @@ def test_user_page_shows_usage_and_sets_quotas(admin_client, alice):
     quota = OwnerQuota.objects.get(owner=alice)
     assert (quota.max_running, quota.max_queued, quota.output_tokens_per_minute) == (1, 3, None)
     assert "1 queued of 3, 0 running of 1" in admin_client.get(url).content.decode()
+
+
+def test_a_user_with_a_conversation_is_deleted_with_all_of_theirs(admin_client, conversation):
+    """Deleting a user in the admin takes their responses (a chain whole),
+    tasks, events, idempotency keys, usage, quota and tokens with them."""
+    from tasks_app.models import IdempotencyKey, OwnerQuota
+
+    alice = conversation[0].owner
+    issue_token(owner=alice, scopes=["responses:read"])
+    IdempotencyKey.objects.create(owner=alice, key="k", fingerprint="f", task=conversation[1].task)
+    OwnerQuota.objects.create(owner=alice)
+    assert UsageRecord.objects.filter(owner=alice).exists() and Event.objects.exists()
+    url = reverse("admin:auth_user_delete", args=[alice.pk])
+    page = admin_client.get(url)
+    assert page.status_code == 200 and "Are you sure" in page.content.decode()
+    assert admin_client.post(url, {"post": "yes"}).status_code == 302
+    assert not get_user_model().objects.filter(pk=alice.pk).exists()
+    for model in (Response, Task, Event, ApiToken, IdempotencyKey, OwnerQuota, UsageRecord):
+        assert not model.objects.exists(), model

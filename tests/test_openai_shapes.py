@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lmsp_core import protocol
-from lmsp_core.errors import ProblemError
+from lmsp_core.errors import ProblemError, problem
 from openai_app import chat, responses
 from responses_app.serializers import validate_response_request
 
@@ -114,6 +114,26 @@ def test_chat_chunks_of_a_stream():
     assert calls[0]["id"] == "call_1" and {call["index"] for call in calls} == {0}
     assert out[-2]["choices"][0]["finish_reason"] == "tool_calls"
     assert out[-1]["choices"] == [] and out[-1]["usage"]["total_tokens"] == 15
+
+
+def test_a_stream_cut_short_ends_with_an_error_in_both_shapes():
+    """The ``error`` event that ends a stream which could not get to its end
+    (its events gone, its token revoked) becomes OpenAI's error, never an end."""
+    cut = {"error": problem("event_history_expired", "Events were removed.")}
+    chunks = chat.ChunkTranslator(RESPONSE_ID, 1, "m")
+    assert chunks.translate("error", cut) == [
+        {
+            "error": {
+                "message": "Events were removed.",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "event_history_expired",
+            }
+        }
+    ]
+    translator = responses.EventTranslator(base={"id": RESPONSE_ID, "output": []})
+    [(kind, data)] = translator.translate("error", cut)
+    assert kind == "error" and data["code"] == "event_history_expired"
 
 
 def test_responses_events_are_numbered_the_same_on_every_replay():

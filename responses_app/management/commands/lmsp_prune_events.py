@@ -7,7 +7,8 @@ class Command(BaseCommand):
     help = (
         "Remove the events of tasks that ended more than --older-than seconds ago, then "
         "idempotency keys past their TTL, store:false responses nobody can fetch any more, "
-        "and tasks past LMSP_TASK_RETENTION_SECONDS."
+        "stored responses past LMSP_RESPONSE_RETENTION_DAYS, and tasks past "
+        "LMSP_TASK_RETENTION_SECONDS."
     )
 
     def add_arguments(self, parser) -> None:  # noqa: ANN001
