@@ -124,19 +124,35 @@ def test_a_long_prompt_is_computed_in_chunks_beside_the_decoding_rows():
 
 def test_chunks_of_a_step_share_its_prompt_tokens_in_admission_order():
     scheduler = Scheduler(max_batch=8, token_budget=10_000, chunk_tokens=50, prefix_cache=False)
+    decoding = request(5, max_new=100)
+    scheduler.add(decoding)
+    step(scheduler)
     a, b = request(30), request(40)
     scheduler.add(a)
     scheduler.add(b)
     plan = step(scheduler)
     assert [(c.request.id, c.start, len(c.token_ids), c.sample) for c in plan.chunks] == [
+        (decoding.id, 5, 1, True),
         (a.id, 0, 30, True),
         (b.id, 0, 20, False),
     ]
     plan = step(scheduler)
     assert [(c.request.id, c.start, len(c.token_ids), c.sample) for c in plan.chunks] == [
+        (decoding.id, 6, 1, True),
         (a.id, 30, 1, True),
         (b.id, 20, 20, True),
     ]
+
+
+def test_prompts_with_no_row_decoding_beside_them_are_computed_whole():
+    """Chunks only protect decoding rows: alone, a prompt would read every
+    weight once per chunk instead of once."""
+    scheduler = Scheduler(max_batch=8, token_budget=10_000, chunk_tokens=16, prefix_cache=False)
+    a, b = request(100), request(40)
+    scheduler.add(a)
+    scheduler.add(b)
+    assert fed(step(scheduler)) == {a.id: 100, b.id: 40}
+    assert a.status == b.status == RequestStatus.DECODING
 
 
 # --- growth, preemption and re-admission ---------------------------------------------------
@@ -214,14 +230,17 @@ def test_cancel_while_waiting_holds_nothing_and_frees_nothing():
 
 def test_cancel_while_prefilling_releases_its_memory_before_the_next_step():
     scheduler = Scheduler(max_batch=8, token_budget=1000, chunk_tokens=10, prefix_cache=False)
+    decoding = request(5, max_new=100)
+    scheduler.add(decoding)
+    step(scheduler)
     long = request(40)
     scheduler.add(long)
     step(scheduler)
     assert long.status == RequestStatus.PREFILLING and long.num_computed == 10
     scheduler.abort(long, RequestStatus.CANCELLED)
-    assert long.status == RequestStatus.CANCELLED and scheduler.held_tokens == 0
+    assert long.status == RequestStatus.CANCELLED and scheduler.held_tokens == 7
     plan = step(scheduler)
-    assert plan.memory_ops == [Release(long.id)] and plan.chunks == []
+    assert plan.memory_ops == [Release(long.id)] and fed(plan) == {decoding.id: 1}
 
 
 def test_cancel_while_decoding_drops_the_row_from_the_next_step():

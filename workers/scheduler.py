@@ -21,10 +21,14 @@ entries, then preempts the request admitted last, which leaves the engine
 as ``PREEMPTED`` (its caller hands it back to the task queue, and it
 resumes from its checkpoint). ``max_batch`` still bounds the rows of a step.
 
-A prompt is computed ``chunk_tokens`` at a time: every step feeds each
-decoding row its last token, and at most ``chunk_tokens`` prompt tokens of
-the requests still prefilling, so a long prompt delays the others by one
-chunk per step instead of its whole prefill.
+A prompt is computed ``chunk_tokens`` at a time while other requests
+decode: every step feeds each decoding row its last token, and at most
+``chunk_tokens`` prompt tokens of the requests still prefilling, so a long
+prompt delays the others by one chunk per step instead of its whole
+prefill. With no row decoding, prompts are computed whole: a step reads
+every weight of the model once whatever its tokens, so chunks would only
+make a lone prompt slower (2.3x for 264 tokens in chunks of 64, measured
+on the 2-core CPU).
 
 What a finished request computed stays in the prefix cache
 (``PrefixCache``): a later prompt that starts with the same tokens (the
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -346,7 +351,9 @@ class Scheduler:
             for request in self.running
             if request.status == RequestStatus.DECODING
         ]
-        prompt_room = self.chunk_tokens
+        # Chunks protect the rows decoding beside a prompt; with none, a prompt
+        # in chunks would only read every weight once per chunk instead of once.
+        prompt_room = self.chunk_tokens if chunks else sys.maxsize
         for request in self.running:
             if request.status != RequestStatus.PREFILLING or prompt_room <= 0:
                 continue
