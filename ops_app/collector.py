@@ -23,10 +23,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from generation import heartbeat
 from generation.registry import available_models
 
-from . import dashboard, jobs, recorders
+from . import dashboard, heartbeat, jobs, recorders
 
 log = logging.getLogger(__name__)
 

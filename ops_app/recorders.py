@@ -24,7 +24,7 @@ from datetime import datetime
 
 import redis
 
-from lmsp_project.redis_client import REDIS_ERRORS, redis_client
+from lmsp_core.redis_client import REDIS_ERRORS, redis_client
 
 log = logging.getLogger(__name__)
 

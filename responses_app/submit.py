@@ -102,10 +102,20 @@ def start_generation(owner: AbstractBaseUser, prepared: PreparedGeneration, kind
     """Store the response and the task that generates it, in one statement,
     which first locks the owner's row and checks its quotas (429), then the
     model's queue (503)."""
+    response = records.new(
+        owner,
+        model=prepared.spec.id,
+        input=prepared.input,
+        params=prepared.params.as_json(),
+        store=prepared.store,
+        previous=prepared.previous,
+        prompt=prepared.prompt,
+        input_tokens=prepared.input_tokens,
+    )
     return services.start_task(
         owner,
         prepared.spec,
-        records.new(owner, prepared),
+        response,
         prepared.input_tokens,
         kind=kind,
         cost=prepared.params.max_output_tokens,

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 import redis
 
-from lmsp_project.celery import app as celery_app
+from lmsp_core.celery_app import app as celery_app
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from django.utils import timezone
 from generation.output import TEXT_DELTA_EVENTS, OutputAssembler
 from generation.registry import declared_models
 from lmsp_core import protocol, rows
+from lmsp_core.celery_app import app as celery_app
 from lmsp_core.errors import ProblemError, problem
 from lmsp_core.status import Status
-from lmsp_project.celery import app as celery_app
 
 from . import broker, fairness, notify, quotas
 from .event_log import EventLog, StoredEvent

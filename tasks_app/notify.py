@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 import redis.asyncio as aioredis
 from django.conf import settings
 
-from lmsp_project.redis_client import REDIS_ERRORS, redis_client
+from lmsp_core.redis_client import REDIS_ERRORS, redis_client
 
 log = logging.getLogger(__name__)
 

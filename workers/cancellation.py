@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from lmsp_project.redis_client import REDIS_ERRORS, redis_client
+from lmsp_core.redis_client import REDIS_ERRORS, redis_client
 from tasks_app.notify import CANCEL_CHANNEL
 
 log = logging.getLogger(__name__)

@@ -3,8 +3,7 @@
 from celery import shared_task
 from celery.signals import worker_ready, worker_shutdown
 
-from generation import heartbeat
-from ops_app import recorders
+from ops_app import heartbeat, recorders
 from responses_app.retention import prune_history
 from tasks_app import lifecycle
 

@@ -13,8 +13,7 @@ import socket
 import redis
 from django.core.management.base import BaseCommand, CommandError
 
-from generation import heartbeat
-from ops_app import jobs
+from ops_app import heartbeat, jobs
 
 
 def worker_alive(host: str) -> bool:

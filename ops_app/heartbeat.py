@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import redis
 
-from lmsp_project.redis_client import redis_client
+from lmsp_core.redis_client import redis_client
 
 log = logging.getLogger(__name__)
 
