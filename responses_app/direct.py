@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
 
 from django.db import DatabaseError
@@ -63,7 +63,7 @@ def _leaving(task: Task, cancel_if_left: bool) -> bool:
     return cancel_if_left and not getattr(task, "replayed", False)
 
 
-def _events(task: Task) -> AsyncIterator[StoredEvent | None]:
+def _events(task: Task) -> AsyncGenerator[StoredEvent | None, None]:
     """The task's events from the first; those it was created with come from
     the request that created it (a replay's task was read back, without them)."""
     return follow_events(task.id, 0, getattr(task, "events_at_creation", ()))
@@ -91,7 +91,9 @@ async def final_result(task: Task, cancel_if_left: bool) -> dict:
     return await db_call(_delivered_result, task.id)
 
 
-async def delivered_events(task: Task, cancel_if_left: bool) -> AsyncIterator[StoredEvent | None]:
+async def delivered_events(
+    task: Task, cancel_if_left: bool
+) -> AsyncGenerator[StoredEvent | None, None]:
     """The events of a direct generation from the first (``None``: time for a
     keep-alive); the generation is cancelled if the stream is not read to the
     end (``cancel_if_left``, and not a replay), and the answer discarded once

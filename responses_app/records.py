@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from django.conf import settings
-from django.contrib.auth.base_user import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db.models import Q
 from django.utils import timezone
 
@@ -27,7 +27,7 @@ UNDELIVERED_GRACE = timedelta(seconds=60)
 
 
 def new(
-    owner: AbstractBaseUser,
+    owner: User,
     *,
     model: str,
     input: list[dict],

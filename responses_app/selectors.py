@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from django.contrib.auth.base_user import AbstractBaseUser
+from django.contrib.auth.models import User
 
 from lmsp_core.errors import ProblemError
 from lmsp_core.ids import is_valid_id
@@ -10,9 +10,7 @@ from lmsp_core.ids import is_valid_id
 from .models import Response
 
 
-def stored_response(
-    owner: AbstractBaseUser, response_id: str, param: str | None = None
-) -> Response:
+def stored_response(owner: User, response_id: str, param: str | None = None) -> Response:
     """A response kept with ``store: true`` by this owner, else 404 (never 403)."""
     response = None
     if is_valid_id(response_id, "resp"):  # anything else, NUL included, is not looked up

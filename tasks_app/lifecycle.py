@@ -14,7 +14,8 @@ import functools
 import json
 import logging
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
@@ -63,7 +64,7 @@ class Progress:
     cancel_requested: bool = False
 
 
-def _lease_deadline() -> timezone.datetime:
+def _lease_deadline() -> datetime:
     return timezone.now() + timedelta(seconds=settings.LMSP_LEASE_SECONDS)
 
 
@@ -107,7 +108,7 @@ def claim(task_id: str, worker: str, model: str | None = None) -> Task | None:
     first token, claims the fairest task unless its owner has a running
     limit to count first (then ``_claim_counting_running``).
     """
-    claimed = {
+    claimed: dict[str, Any] = {
         "task": task_id,
         "model": model,
         "queued": Status.QUEUED.value,
@@ -247,7 +248,7 @@ def record_progress_many(flushes: list[Flush]) -> list[Progress]:
         new_events=FLUSH_EVENTS_SQL.format(events=_values(5, len(events))) if events else "",
         new_chunks=FLUSH_CHUNKS_SQL.format(chunks=_values(4, len(chunks))) if chunks else "",
     )
-    params = [*tasks, Status.IN_PROGRESS, _lease_deadline()]
+    params: list[Any] = [*tasks, Status.IN_PROGRESS, _lease_deadline()]
     params += [timezone.now(), *events] if events else []
     with connection.cursor() as cursor:
         cursor.execute(sql, params + chunks)
@@ -389,6 +390,7 @@ def _partial_outcome(task: Task, status: str, error: dict | None = None) -> tupl
     if status == Status.CANCELLED:
         events.append(protocol.cancelled_event(task.response_id, usage))
     else:
+        assert error is not None  # a failure has its problem
         events.append(protocol.failed_event(task.response_id, error))
     outcome = Outcome(
         status=status,
@@ -447,10 +449,11 @@ def _fail_model_gone(task: Task) -> None:
     _finalize(task, *_partial_outcome(task, Status.FAILED, model_gone_problem(task.model)))
 
 
-def _sweep_expired(task_id: str, now: timezone.datetime, report: SweepReport) -> None:
+def _sweep_expired(task_id: str, now: datetime, report: SweepReport) -> None:
     with transaction.atomic():
         task = Task.objects.select_for_update().select_related("response").get(id=task_id)
-        if task.status != Status.IN_PROGRESS or task.lease_expires_at >= now:
+        lease = task.lease_expires_at
+        if task.status != Status.IN_PROGRESS or lease is None or lease >= now:
             return
         if task.cancel_requested:
             _finalize(task, *_partial_outcome(task, Status.CANCELLED))
@@ -477,7 +480,7 @@ def _sweep_expired(task_id: str, now: timezone.datetime, report: SweepReport) ->
             report.requeued.append(task.id)
 
 
-def _resend(task_id: str, now: timezone.datetime, report: SweepReport) -> None:
+def _resend(task_id: str, now: datetime, report: SweepReport) -> None:
     """Send a still queued task's job again (its message is gone), or fail it
     when its model is."""
     with transaction.atomic():

@@ -33,8 +33,9 @@ import logging
 import resource
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
+from typing import cast
 
 from asgiref.sync import SyncToAsync
 from django.conf import settings
@@ -412,13 +413,21 @@ def _release(feed: TaskFeed) -> None:
             hub.unlisten(feed.task_id)
 
 
-def follow(task_id: str, after: int) -> AsyncIterator[bytes]:
+def follow(task_id: str, after: int) -> AsyncGenerator[bytes, None]:
     """Frames of every event after ``after``, live ones included, until the
     final event; keep-alive comments while nothing else is sent (``: queued N``
     while the task waits in its queue). Ends early, without a final event,
     when the events it needs were removed by retention (or the task was
     deleted): a reconnect is then told why."""
-    return _deliveries(task_id, after, with_events=False)
+    return _frames_only(_deliveries(task_id, after, with_events=False))
+
+
+def _frames_only(
+    deliveries: AsyncGenerator[tuple[bytes, list[StoredEvent]] | bytes, None],
+) -> AsyncGenerator[bytes, None]:
+    """``_deliveries`` without ``with_events``, as the frames it yields (a cast:
+    the same generator)."""
+    return cast("AsyncGenerator[bytes, None]", deliveries)
 
 
 def lmsp_frame(event: StoredEvent | None) -> bytes:
@@ -428,7 +437,7 @@ def lmsp_frame(event: StoredEvent | None) -> bytes:
 
 async def follow_events(
     task_id: str, after: int, known: Sequence[StoredEvent] = ()
-) -> AsyncIterator[StoredEvent | None]:
+) -> AsyncGenerator[StoredEvent | None, None]:
     """The events ``follow`` sends, one by one (``None``: time for a keep-alive),
     for readers that speak another stream format than LMSP's. ``known``: the
     events of a task this process has just created (``TaskFeed.seed``)."""
@@ -447,7 +456,7 @@ async def _deliveries(
     with_events: bool,
     release: Callable[[], None] | None = None,
     known: Sequence[StoredEvent] = (),
-) -> AsyncIterator[tuple[bytes, list[StoredEvent]] | bytes]:
+) -> AsyncGenerator[tuple[bytes, list[StoredEvent]] | bytes, None]:
     """What ``follow`` sends: frames joined in one chunk (with ``with_events``,
     as a pair with the events they carry), or a keep-alive comment when one
     is due. The frames of the window are joined once for every follower
@@ -579,10 +588,12 @@ def _overloaded(detail: str) -> ProblemError:
     return ProblemError("overloaded", detail, headers={"Retry-After": str(seconds)})
 
 
-def admitted_stream(task_id: str, after: int, release: Callable[[], None]) -> AsyncIterator[bytes]:
+def admitted_stream(
+    task_id: str, after: int, release: Callable[[], None]
+) -> AsyncGenerator[bytes, None]:
     """``follow`` that gives its admission back when it ends, or when it is
     dropped before it ever started (a client gone before the first byte)."""
-    stream = _deliveries(task_id, after, with_events=False, release=release)
+    stream = _frames_only(_deliveries(task_id, after, with_events=False, release=release))
     weakref.finalize(stream, release)
     return stream
 

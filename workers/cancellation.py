@@ -56,7 +56,7 @@ class CancelWatch:
     def _listen(self) -> None:
         backoff = 0.2
         while True:
-            pubsub = redis_client().pubsub(ignore_subscribe_messages=True)
+            pubsub = redis_client().pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
             try:
                 pubsub.subscribe(CANCEL_CHANNEL)
                 backoff = 0.2

@@ -1,5 +1,7 @@
 """Celery jobs: short shells around plain functions tested without Celery."""
 
+from typing import Any
+
 from celery import shared_task
 from celery.signals import worker_ready, worker_shutdown
 
@@ -16,7 +18,7 @@ def run_task(task_id: str, model: str | None = None) -> str | None:
 
 
 @shared_task(name="workers.tasks.sweep_tasks")
-def sweep_tasks() -> dict:
+def sweep_tasks() -> dict[str, Any]:
     report = lifecycle.sweep()
     recorders.job_succeeded("sweep_tasks")  # the admin and /metrics flag a stale sweeper
     return {
@@ -39,7 +41,7 @@ _heartbeat: heartbeat.Heartbeat | None = None
 
 
 @worker_ready.connect
-def serve_models(sender: object, **_: object) -> None:
+def serve_models(sender: Any, **_: object) -> None:  # celery's WorkController
     """Load the models whose queues this worker consumes and start their
     batching engines before the first job, then tell the admin it serves them
     (the ops worker consumes none).
