@@ -103,6 +103,9 @@ def procfile_service(port: int = 8431, **settings: str) -> Iterator[Service]:
     their environment; stopped (SIGTERM to honcho, which stops them) on exit."""
     from lmsp_project.devstack import services
 
+    # SIGTERM unwinds like Ctrl-C: the service and the embedded servers are
+    # stopped, not left behind.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     with services() as started:
         os.environ.update(started)
         os.environ["DATABASE_URL"] = bench_database(os.environ["DATABASE_URL"], DATABASE)
