@@ -204,9 +204,14 @@ class Stack:
         deadline = time.monotonic() + timeout
         while True:
             waiting = sum(client.llen(key) for queue in queues for key in queue_lists(queue))
-            inspect = app.control.inspect(destination=[name], timeout=5, limit=1)
-            reserved = inspect.reserved() or {}
-            active = inspect.active() or {}
+            # A connection of its own: a pooled one may be from before a
+            # test restarted Redis.
+            with app.connection() as connection:
+                inspect = app.control.inspect(
+                    destination=[name], timeout=5, limit=1, connection=connection
+                )
+                reserved = inspect.reserved() or {}
+                active = inspect.active() or {}
             if not waiting and reserved.get(name) == [] and active.get(name) == []:
                 return
             assert time.monotonic() < deadline, (
