@@ -1,3 +1,5 @@
+from typing import Any
+
 from django import forms
 from django.contrib import admin, messages
 from django.db.models import Q, QuerySet
@@ -9,6 +11,11 @@ from . import services
 from .models import SCOPES, ApiToken
 
 SECONDS_PER_DAY = 86_400
+
+
+# The request attribute that carries a new token's secret from save_model to
+# the answer page, the only place it is shown.
+ISSUED_SECRET = "lmsp_issued_secret"
 
 
 class ApiTokenCreationForm(forms.ModelForm):
@@ -96,7 +103,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
             return "revoked"
         return "active" if token.is_active() else "expired"
 
-    def get_fieldsets(self, request: HttpRequest, obj: ApiToken | None = None) -> tuple:
+    def get_fieldsets(self, request: HttpRequest, obj: ApiToken | None = None) -> Any:
         return self.add_fieldsets if obj is None else super().get_fieldsets(request, obj)
 
     def get_readonly_fields(self, request: HttpRequest, obj: ApiToken | None = None) -> tuple:
@@ -125,7 +132,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
         )
         # The admin goes on with ``obj`` (history entry, answer page): make it the issued token.
         obj.__dict__.update(issued.token.__dict__)
-        request.lmsp_issued_secret = issued.secret
+        setattr(request, ISSUED_SECRET, issued.secret)  # read by response_add
 
     def response_add(
         self, request: HttpRequest, obj: ApiToken, post_url_continue: str | None = None
@@ -137,7 +144,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
             "opts": self.opts,
             "title": "API token created",
             "token": obj,
-            "secret": request.lmsp_issued_secret,
+            "secret": getattr(request, ISSUED_SECRET),
         }
         answer = TemplateResponse(request, "admin/accounts_app/apitoken/issued.html", context)
         answer["Cache-Control"] = "no-store"

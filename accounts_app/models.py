@@ -1,3 +1,5 @@
+from datetime import datetime
+
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
@@ -37,7 +39,7 @@ class ApiToken(models.Model):
     def __str__(self) -> str:
         return f"{self.prefix}… ({self.owner})"
 
-    def is_active(self, now: timezone.datetime | None = None) -> bool:
+    def is_active(self, now: datetime | None = None) -> bool:
         now = now or timezone.now()
         if self.revoked_at is not None:
             return False

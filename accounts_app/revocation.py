@@ -16,9 +16,10 @@ import json
 import logging
 from collections.abc import Iterable
 
+from django.contrib.auth.models import User
 from django.db import transaction
 
-from lmsp_project.redis_client import REDIS_ERRORS, redis_client
+from lmsp_core.redis_client import REDIS_ERRORS, redis_client
 
 from .models import ApiToken
 
@@ -58,10 +59,10 @@ def token_deleted(sender: type, instance: ApiToken, **_: object) -> None:
     announce(tokens=[instance.pk])
 
 
-def owner_saved(sender: type, instance: object, **_: object) -> None:
+def owner_saved(sender: type, instance: User, **_: object) -> None:
     if not instance.is_active:
         announce(owners=[instance.pk])
 
 
-def owner_deleted(sender: type, instance: object, **_: object) -> None:
+def owner_deleted(sender: type, instance: User, **_: object) -> None:
     announce(owners=[instance.pk])

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.contrib.auth import get_user_model
-from django.contrib.auth.base_user import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 
@@ -58,7 +58,7 @@ def create_token(
 
 
 def issue_token(
-    *, owner: AbstractBaseUser, scopes: list[str], expires_in: int | None = None, name: str = ""
+    *, owner: User, scopes: list[str], expires_in: int | None = None, name: str = ""
 ) -> IssuedToken:
     prefix = secrets.token_hex(PREFIX_LENGTH // 2)
     secret = f"{TOKEN_PREFIX}_{prefix}_{secrets.token_urlsafe(32)}"

@@ -230,8 +230,9 @@ def verdict(name: str, ratios: list[float], unit: str = "x") -> bool:
 async def http_rounds(service: Service, rounds: int, only: set[str]) -> dict[str, list[float]]:
     ratios: dict[str, list[float]] = {name: [] for name in ("follow_up", "system", "join")}
     timeout = httpx.Timeout(600, connect=10)
+    token = service.token("bench-engine", ["responses:write", "responses:read"])
     async with httpx.AsyncClient(
-        base_url=service.base_url, headers=service.headers, timeout=timeout
+        base_url=service.base_url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout
     ) as client:
         for r in range(rounds):
             text = Text(seed=r)
@@ -309,21 +310,18 @@ def main() -> int:
     parser.add_argument("--only", default="follow_up,system,join,memory")
     args = parser.parse_args()
     only = set(args.only.split(","))
-    import django
-
-    django.setup()
-    from generation.registry import get_model
-    from generation.weights import weights_folder
-
-    folder = weights_folder(get_model(MODEL))
     results: dict[str, list[float]] = {}
     if only & {"follow_up", "system", "join"}:
         with tempfile.TemporaryDirectory() as tmp:
             registry = Path(tmp) / "models.toml"
-            registry.write_text(models_file(folder))
-            settings = {"LMSP_MODELS_FILE": str(registry), "LMSP_WEB_PROCESSES": "1"}
-            with procfile_service(settings, models=3) as service:
+            cache = Path(os.environ.get("LMSP_MODEL_CACHE", ROOT / ".data" / "models"))
+            registry.write_text(models_file(cache / "smollm2-135m"))
+            with procfile_service(LMSP_MODELS_FILE=str(registry)) as service:
                 results = asyncio.run(http_rounds(service, args.rounds, only))
+    else:
+        import django
+
+        django.setup()
     if "memory" in only:
         results["memory"] = memory_rounds(args.rounds)
     print("\nverdicts (median of rounds):")

@@ -1,9 +1,15 @@
-"""The service for a bench, started as the Procfile starts it (honcho: web,
-model worker, ops worker with beat), on the embedded PostgreSQL and Redis
-unless DATABASE_URL / REDIS_URL are set.
+"""The service as the Procfile runs it, for the benchmarks that measure it
+whole (``bench_concurrency.py``, ``bench_fairness.py``).
 
-    with procfile_service({"LMSP_MODELS_FILE": path}) as service:
-        httpx.get(service.base_url + "/lmsp/v1/models", headers=service.headers)
+``procfile_service()`` starts what ``scripts/serve`` starts: the Procfile
+under honcho (``LMSP_WEB_PROCESSES`` web processes, a model worker, the ops
+worker with beat), with the shipped settings unless the environment sets
+them, on the embedded PostgreSQL and a private Redis unless
+``DATABASE_URL`` / ``REDIS_URL`` are set. It uses a database of its own
+(``lmsp_bench_service``), so a bench never claims the development
+database's queued tasks, and cancels whatever an interrupted run left
+there. Django is set up in this process on the same database, for tokens
+and for reading what the service wrote.
 """
 
 from __future__ import annotations
@@ -18,88 +24,128 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lmsp_project.settings")
+
+DATABASE = "lmsp_bench_service"
 LOGS = ROOT / "test-artifacts" / "bench"
-SCOPES = "models:read,responses:write,responses:read,tasks:write,tasks:read,metrics:read"
 
 
 @dataclass(frozen=True)
 class Service:
     base_url: str
-    token: str
-    env: dict[str, str]
+    log: Path
 
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"}
+    def token(self, username: str, scopes: list[str]) -> str:
+        from accounts_app.services import create_token
+
+        return create_token(username=username, scopes=scopes).secret
+
+
+def task_body(text: str, max_output_tokens: int, **request: object) -> dict:
+    """The body of ``POST /lmsp/v1/tasks``: one user message to SmolLM2."""
+    message = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    return {
+        "type": "response",
+        "request": {
+            "model": "smollm2:135m",
+            "input": [message],
+            "max_output_tokens": max_output_tokens,
+            **request,
+        },
+    }
+
+
+def bench_database(url: str, name: str) -> str:
+    """The URL of database ``name`` beside ``url``'s, created and migrated."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
+            conn.execute(f"CREATE DATABASE {name}")
+    path = url.split("?")[0].rsplit("/", 1)
+    bench_url = url.replace(path[0] + "/" + path[1], f"{path[0]}/{name}", 1)
+    subprocess.run(
+        [sys.executable, "manage.py", "migrate", "--no-input", "-v", "0"],
+        cwd=ROOT,
+        env={**os.environ, "DATABASE_URL": bench_url},
+        check=True,
+    )
+    return bench_url
+
+
+def _wait_until_it_generates(base_url: str, token: str, timeout: float = 600) -> None:
+    """Until a short generation completes: the web answers and a model worker
+    has loaded its model."""
+    import httpx
+
+    body = task_body("Hi", 2)["request"]
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            answer = httpx.post(
+                f"{base_url}/lmsp/v1/responses",
+                json=body,
+                headers={"Authorization": f"Bearer {token}"},
+                timeout=120,
+            )
+            if answer.status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the service did not answer within {timeout:.0f} s")
+        time.sleep(0.5)
 
 
 @contextlib.contextmanager
-def procfile_service(settings: dict[str, str] | None = None, models: int = 1) -> Iterator[Service]:
-    """The service, ready once ``models`` models are served by a live worker;
-    ``settings`` are added to its environment."""
-    from lmsp_project.devstack import free_port, services
+def procfile_service(port: int = 8431, **settings: str) -> Iterator[Service]:
+    """The Procfile's processes under honcho on ``port``, ``settings`` added to
+    their environment; stopped (SIGTERM to honcho, which stops them) on exit."""
+    from lmsp_project.devstack import services
 
+    # SIGTERM unwinds like Ctrl-C: the service and the embedded servers are
+    # stopped, not left behind.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     with services() as started:
-        port = free_port()
-        python_dir = str(Path(sys.executable).parent)
+        os.environ.update(started)
+        os.environ["DATABASE_URL"] = bench_database(os.environ["DATABASE_URL"], DATABASE)
+        import django
+
+        django.setup()
+        from lmsp_core.status import FINAL_STATUSES
+        from tasks_app import lifecycle
+        from tasks_app.models import Task
+
+        for task_id in Task.objects.exclude(status__in=FINAL_STATUSES).values_list("id", flat=True):
+            lifecycle.request_cancel(task_id)  # an interrupted run's
+        LOGS.mkdir(parents=True, exist_ok=True)
+        log = LOGS / "procfile-service.log"
+        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         env = {
             **os.environ,
-            **started,
-            "LMSP_DEVELOPMENT": "1",
+            **settings,
+            "PATH": path,
+            "LMSP_HOST": "127.0.0.1",
             "LMSP_PORT": str(port),
-            "PATH": os.pathsep.join([python_dir, os.environ.get("PATH", "")]),
-            **(settings or {}),
+            "PYTHONUNBUFFERED": "1",
         }
-        python = sys.executable
-        subprocess.run(
-            [python, "manage.py", "migrate", "--no-input", "-v", "0"], cwd=ROOT, env=env, check=True
-        )
-        created = subprocess.run(
-            [python, "manage.py", "lmsp_token", "create", "--user", "bench", "--scopes", SCOPES],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        token = created.stdout.strip().splitlines()[-1]
-        LOGS.mkdir(parents=True, exist_ok=True)
-        log = open(LOGS / "procfile.log", "w")  # noqa: SIM115 - honcho's children keep it
-        honcho = subprocess.Popen(
-            [python, "-m", "honcho", "start", "-f", str(ROOT / "Procfile")],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        service = Service(f"http://127.0.0.1:{port}", token, env)
+        with open(log, "w") as output:
+            honcho = subprocess.Popen(
+                [sys.executable, "-m", "honcho", "start", "-f", str(ROOT / "Procfile")],
+                cwd=ROOT,
+                env=env,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         try:
-            _wait_until_served(service, models, honcho)
+            service = Service(f"http://127.0.0.1:{port}", log)
+            _wait_until_it_generates(service.base_url, service.token("bench", ["responses:write"]))
             yield service
         finally:
-            os.killpg(honcho.pid, signal.SIGTERM)
-            honcho.wait(60)
-            log.close()
-
-
-def _wait_until_served(service: Service, models: int, honcho: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if honcho.poll() is not None:
-            raise RuntimeError(f"the service stopped; see {LOGS / 'procfile.log'}")
-        with contextlib.suppress(httpx.HTTPError):
-            metrics = httpx.get(f"{service.base_url}/metrics", headers=service.headers).text
-            alive = [
-                line
-                for line in metrics.splitlines()
-                if line.startswith("lmsp_workers_alive{") and not line.endswith(" 0.0")
-            ]
-            if len(alive) >= models:
-                return
-        time.sleep(0.5)
-    raise RuntimeError(f"no worker served the models in time; see {LOGS / 'procfile.log'}")
+            honcho.send_signal(signal.SIGTERM)  # honcho stops its processes (SIGKILL after 5 s)
+            try:
+                honcho.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(honcho.pid, signal.SIGKILL)
+                honcho.wait(10)

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 # A structural tag format of ours: JSON for a schema without any whitespace
 # (see generation.schemas._compact_json), made a grammar format in the child.
@@ -57,7 +58,7 @@ class Limits:
 
 
 @functools.cache
-def _context() -> multiprocessing.context.BaseContext:
+def _context() -> multiprocessing.context.ForkServerContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["xgrammar", __name__])
     return context
@@ -114,7 +115,7 @@ def _resolved(tag: str) -> str:
     return json.dumps(resolve_compact_json(json.loads(tag)), ensure_ascii=False)
 
 
-def _child(conn: Connection, job: dict) -> None:
+def _child(conn: Connection, job: dict[str, Any]) -> None:
     """Runs in the child: compile each tag, reporting progress on ``conn``."""
     import xgrammar as xgr
 
@@ -158,10 +159,11 @@ def _tokenizer_info(folder: str) -> str:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     config = json.loads((Path(folder) / "config.json").read_text())
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=config.get("vocab_size"))
-    return info.serialize_json()
+    serialized: str = info.serialize_json()
+    return serialized
 
 
-def _run(job: dict, limits: Limits) -> object:
+def _run(job: dict[str, Any], limits: Limits) -> object:
     """Run ``job`` in a fresh child; its result, or GrammarError/GrammarLimitExceeded."""
     context = _context()
     receive, send = context.Pipe(duplex=False)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lmsp_core import protocol
 from lmsp_core.ids import new_id
@@ -93,13 +93,14 @@ def _inside_json_string(text: str) -> bool:
     return inside
 
 
-def _text_parts(item: dict) -> list[dict]:
+def _text_parts(item: dict[str, Any]) -> list[dict[str, Any]]:
     """The parts of an item whose text grows with deltas (none for a function call)."""
+    parts: list[dict[str, Any]] = []
     if item["type"] == "message":
-        return item["content"]
-    if item["type"] == "reasoning":
-        return item["summary"]
-    return []
+        parts = item["content"]
+    elif item["type"] == "reasoning":
+        parts = item["summary"]
+    return parts
 
 
 def _parse_call(body: str) -> tuple[str, object] | None:
@@ -117,7 +118,7 @@ class OutputAssembler:
     def __init__(
         self,
         response_id: str,
-        state: dict | None = None,
+        state: dict[str, Any] | None = None,
         *,
         parse_tools: bool = False,
         parse_reasoning: bool = False,
@@ -153,10 +154,11 @@ class OutputAssembler:
 
     # --- state -----------------------------------------------------------------
 
-    def state(self) -> dict:
-        return json.loads(json.dumps(self._s))
+    def state(self) -> dict[str, Any]:
+        copied: dict[str, Any] = json.loads(json.dumps(self._s))
+        return copied
 
-    def compact_state(self) -> dict:
+    def compact_state(self) -> dict[str, Any]:
         """``state()`` without the text of message and reasoning items."""
         compact = copy.deepcopy(self._s)
         for item in compact["items"]:
@@ -166,7 +168,7 @@ class OutputAssembler:
 
     @classmethod
     def restore(
-        cls, response_id: str, compact: dict, deltas: Iterable[tuple[str, dict]]
+        cls, response_id: str, compact: dict[str, Any], deltas: Iterable[tuple[str, dict[str, Any]]]
     ) -> OutputAssembler:
         """The assembler a ``compact_state()`` came from, its text put back from the
         logged ``TEXT_DELTA_EVENTS`` (event name, data) of the same response."""
@@ -178,15 +180,16 @@ class OutputAssembler:
         return cls(response_id, state)
 
     @property
-    def items(self) -> list[dict]:
-        return self._s["items"]
+    def items(self) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self._s["items"]
+        return items
 
     # --- feeding ---------------------------------------------------------------
 
-    def feed(self, text: str) -> list[tuple[str, dict]]:
+    def feed(self, text: str) -> list[tuple[str, dict[str, Any]]]:
         s = self._s
         s["buf"] += text
-        events: list[tuple[str, dict]] = []
+        events: list[tuple[str, dict[str, Any]]] = []
         while True:
             mode, buf = s["mode"], s["buf"]
             if mode == "text":
@@ -229,7 +232,7 @@ class OutputAssembler:
             s["buf"] = buf[index + len(TOOL_CLOSE) :]
             s["mode"] = "text"
 
-    def finish(self) -> list[tuple[str, dict]]:
+    def finish(self) -> list[tuple[str, dict[str, Any]]]:
         """End of generation: settle held-back text and close every item.
 
         A completed response always has at least one item: a model that says
@@ -241,7 +244,7 @@ class OutputAssembler:
             events += self._close_open()
         return events
 
-    def close(self) -> list[tuple[str, dict]]:
+    def close(self) -> list[tuple[str, dict[str, Any]]]:
         """Close what is open, keeping any text held back (cancel, failure, limit).
 
         A tool call the generation stopped inside is kept only if its JSON is
@@ -270,14 +273,14 @@ class OutputAssembler:
     # --- items -------------------------------------------------------------------
 
     def _text_markers(self) -> tuple[str, ...]:
-        markers = ()
+        markers: tuple[str, ...] = ()
         if self._s["tools"]:
             markers += (TOOL_OPEN,)
         if self._s["reasoning"] and not self.items:
             markers += (THINK_OPEN,)
         return markers
 
-    def _open(self, kind: str) -> list[tuple[str, dict]]:
+    def _open(self, kind: str) -> list[tuple[str, dict[str, Any]]]:
         if kind == "message":
             item = protocol.message_item(new_id("msg"), "")
             announced = protocol.message_item(item["id"], None)
@@ -288,14 +291,14 @@ class OutputAssembler:
         self._s["open"] = len(self.items) - 1
         return [protocol.item_added_event(self.response_id, self._s["open"], announced)]
 
-    def _close_open(self) -> list[tuple[str, dict]]:
+    def _close_open(self) -> list[tuple[str, dict[str, Any]]]:
         index = self._s["open"]
         if index is None:
             return []
         self._s["open"] = None
         return [protocol.item_done_event(self.response_id, index, self.items[index])]
 
-    def _text(self, text: str) -> list[tuple[str, dict]]:
+    def _text(self, text: str) -> list[tuple[str, dict[str, Any]]]:
         if not text:
             return []
         events = []
@@ -309,7 +312,7 @@ class OutputAssembler:
         events.append(protocol.text_delta_event(self.response_id, item["id"], text))
         return events
 
-    def _reasoning(self, text: str) -> list[tuple[str, dict]]:
+    def _reasoning(self, text: str) -> list[tuple[str, dict[str, Any]]]:
         """Thoughts, in a reasoning item opened by the first word of them: a
         model that thinks nothing (Qwen3 with thinking off writes an empty
         ``<think></think>``) gets no empty reasoning item."""
@@ -325,7 +328,7 @@ class OutputAssembler:
             events.append(protocol.reasoning_delta_event(self.response_id, item["id"], text))
         return events
 
-    def _tool_call(self, body: str) -> list[tuple[str, dict]]:
+    def _tool_call(self, body: str) -> list[tuple[str, dict[str, Any]]]:
         call = _parse_call(body)
         if call is None:
             # Not a call after all: keep what the model wrote as text.

@@ -18,9 +18,11 @@ TEXT_FORMAT = {"type": "text"}
 class GenerationParams:
     temperature: float = 1.0  # 0 means greedy
     max_output_tokens: int = 0  # set by the web process from the model and the room left
-    response_format: dict = field(default_factory=lambda: dict(TEXT_FORMAT))
-    tools: list[dict] = field(default_factory=list)
-    tool_choice: str | dict = "auto"  # auto, none, required, or {"type": "function", "name"}
+    response_format: dict[str, Any] = field(default_factory=lambda: dict(TEXT_FORMAT))
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: str | dict[str, Any] = (
+        "auto"  # auto, none, required, or {"type": "function", "name"}
+    )
 
     @classmethod
     def from_request(cls, request: dict[str, Any]) -> GenerationParams:
@@ -44,11 +46,12 @@ class GenerationParams:
         return asdict(self)
 
     @property
-    def json_schema(self) -> dict | None:
+    def json_schema(self) -> dict[str, Any] | None:
         """The schema a ``json_schema`` answer must satisfy; None for free text."""
         if self.response_format["type"] != "json_schema":
             return None
-        return self.response_format["json_schema"]["schema"]
+        schema: dict[str, Any] = self.response_format["json_schema"]["schema"]
+        return schema
 
     @property
     def forces_call(self) -> bool:

@@ -15,6 +15,7 @@ model then writes only the call's JSON.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from .output import CALL_OPENING, TOOL_CLOSE, TOOL_OPEN, opens_call
 from .params import GenerationParams
@@ -50,23 +51,23 @@ It must follow this JSON schema:
 {schema}"""
 
 
-def _text(parts: list[dict]) -> str:
+def _text(parts: list[dict[str, Any]]) -> str:
     return "".join(part["text"] for part in parts)
 
 
-def _arguments(item: dict) -> object:
+def _arguments(item: dict[str, Any]) -> object:
     try:
         return json.loads(item["arguments"])
     except ValueError:
         return item["arguments"]
 
 
-def _tool_call_text(item: dict) -> str:
+def _tool_call_text(item: dict[str, Any]) -> str:
     call = json.dumps({"name": item["name"], "arguments": _arguments(item)}, ensure_ascii=False)
     return f"{TOOL_OPEN}\n{call}\n{TOOL_CLOSE}"
 
 
-def chat_messages(items: list[dict], native_tools: bool = False) -> list[dict]:
+def chat_messages(items: list[dict[str, Any]], native_tools: bool = False) -> list[dict[str, Any]]:
     """Chat-template messages for input items, in order.
 
     A ``function_call`` is what the assistant said and a
@@ -80,9 +81,9 @@ def chat_messages(items: list[dict], native_tools: bool = False) -> list[dict]:
     writes them.
     Reasoning items are not shown to the model again.
     """
-    messages: list[dict] = []
+    messages: list[dict[str, Any]] = []
 
-    def last(role: str) -> dict | None:
+    def last(role: str) -> dict[str, Any] | None:
         return messages[-1] if messages and messages[-1]["role"] == role else None
 
     for item in items:
@@ -115,7 +116,7 @@ def chat_messages(items: list[dict], native_tools: bool = False) -> list[dict]:
     return messages
 
 
-def _function(tool: dict) -> dict:
+def _function(tool: dict[str, Any]) -> dict[str, Any]:
     """A protocol tool in the OpenAI chat shape that chat templates and the
     Hermes preamble both use."""
     function = {"name": tool["name"]}
@@ -125,7 +126,7 @@ def _function(tool: dict) -> dict:
     return {"type": "function", "function": function}
 
 
-def _offered_tools(params: GenerationParams) -> list[dict]:
+def _offered_tools(params: GenerationParams) -> list[dict[str, Any]]:
     """The tools the model is told about: none with ``tool_choice: none`` (it
     cannot call them), only the named one when one is forced."""
     tools, choice = params.tools, params.tool_choice
@@ -163,7 +164,10 @@ def has_native_tools(tokenizer: PromptTokenizer) -> bool:
 
 
 def render_prompt(
-    spec: ModelSpec, tokenizer: PromptTokenizer, items: list[dict], params: GenerationParams
+    spec: ModelSpec,
+    tokenizer: PromptTokenizer,
+    items: list[dict[str, Any]],
+    params: GenerationParams,
 ) -> str:
     """The text the model reads for ``items``, up to where its answer starts:
     after the assistant's generation prompt, or inside the call a request

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 _QUANTIFIER = re.compile(r"\{([0-9]+)(?:,([0-9]*))?\}")
 _LONGEST_BOUND = 9  # digits; anything longer is over every sensible limit
@@ -63,7 +64,7 @@ def pattern_repeat(pattern: str) -> int:
             low, high = match.group(1), match.group(2)
             bound_text = high if high else low
             if len(bound_text) > _LONGEST_BOUND or len(low) > _LONGEST_BOUND:
-                return 10**_LONGEST_BOUND
+                return int(10**_LONGEST_BOUND)
             last *= max(int(bound_text), int(low), 1)
             index = match.end()
         else:
@@ -90,7 +91,7 @@ def _patterns(schema: object, path: str) -> list[tuple[str, str]]:
 
 
 def schema_bounds_problem(
-    schema: dict, path: str, *, max_bytes: int, max_depth: int, max_repeat: int
+    schema: dict[str, Any], path: str, *, max_bytes: int, max_depth: int, max_repeat: int
 ) -> tuple[str, str] | None:
     """The first bound a schema passes, as (param, reason); None if it keeps them."""
     size = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False).encode())

@@ -23,6 +23,7 @@ that the web process never imports xgrammar.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from . import grammar_limits
 from .output import CALL_OPENING, TOOL_CLOSE, TOOL_OPEN, opens_call
@@ -36,12 +37,12 @@ NO_PARAMETERS = {"type": "object", "properties": {}}
 COMPACT_JSON = grammar_limits.COMPACT_JSON
 
 
-def _json(schema: dict) -> dict:
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
     """An answer's JSON: one space at most between tokens, as a person writes it."""
     return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
 
 
-def _compact_json(schema: dict) -> dict:
+def _compact_json(schema: dict[str, Any]) -> dict[str, Any]:
     """A call's arguments: compact JSON (``{"city":"Paris"}``), no whitespace at
     all, so that the model spends no token on it. Greedy SmolLM2 writes a
     forced ``get_weather(city="Paris")`` in 20 output tokens, end token
@@ -56,7 +57,7 @@ def _compact_json(schema: dict) -> dict:
     return {"type": COMPACT_JSON, "json_schema": schema}
 
 
-def _call(tool: dict, opened: bool = False) -> dict:
+def _call(tool: dict[str, Any], opened: bool = False) -> dict[str, Any]:
     """One tool's call in the Hermes format the output parser reads back, as
     compact JSON: ``<tool_call>\\n{"name":"f","arguments":{"a":1}}\\n</tool_call>``;
     ``opened`` (the prompt ends with ``CALL_OPENING``): the JSON alone."""
@@ -69,7 +70,7 @@ def _call(tool: dict, opened: bool = False) -> dict:
     }
 
 
-def grammar_format(params: GenerationParams, spec: ModelSpec) -> dict | None:
+def grammar_format(params: GenerationParams, spec: ModelSpec) -> dict[str, Any] | None:
     """The structural tag format a request's output must match, from the model
     of ``spec`` (whose prompt may open a forced call); None for free text."""
     tools, choice = params.tools, params.tool_choice
@@ -89,7 +90,7 @@ def grammar_format(params: GenerationParams, spec: ModelSpec) -> dict | None:
     return {"type": "triggered_tags", "triggers": [TOOL_OPEN], "tags": calls}
 
 
-def structural_tag(fmt: dict) -> str:
+def structural_tag(fmt: dict[str, Any]) -> str:
     # Keys keep the client's order: xgrammar emits properties in schema order.
     return json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
 
@@ -115,7 +116,7 @@ def schema_problem(
     worker will (that is where the costly compiles are); without one, only
     the grammar is built.
     """
-    schemas: list[tuple[str, dict]] = []
+    schemas: list[tuple[str, dict[str, Any]]] = []
     if params.json_schema is not None:
         schemas.append(("response_format.json_schema.schema", _json(params.json_schema)))
     for index, tool in enumerate(params.tools):

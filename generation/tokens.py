@@ -18,23 +18,36 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .registry import ModelSpec
 from .weights import weights_folder
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
 # transformers' PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES: what a
 # chat template sees beside the messages.
-SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token")
-SPECIAL_TOKENS += ("mask_token",)
+SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 @dataclass(frozen=True)
 class PromptTokenizer:
-    tokenizer: object  # tokenizers.Tokenizer
+    tokenizer: Tokenizer
     chat_template: str
     special_tokens: dict[str, str]
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
         """The prompt for ``messages``, ending where the assistant's answer starts."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -45,7 +58,8 @@ class PromptTokenizer:
             add_generation_prompt=True,
             **self.special_tokens,
         )
-        return rendered[0]
+        text: str = rendered[0]
+        return text
 
     def count(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
@@ -53,7 +67,8 @@ class PromptTokenizer:
 
 def _token_text(value: object) -> str | None:
     # tokenizer_config.json holds a token as its text or as {"content": text, ...}.
-    return value.get("content") if isinstance(value, dict) else value
+    text = value.get("content") if isinstance(value, dict) else value
+    return text if isinstance(text, str) else None
 
 
 @functools.cache

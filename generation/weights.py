@@ -28,8 +28,11 @@ READY_MARKER = ".lmsp-ready"
 
 def weights_folder(spec: ModelSpec) -> Path:
     """A folder ``from_pretrained`` loads quickly, converting a GGUF file once."""
+    source = spec.source_location()
+    if source is None:
+        raise FileNotFoundError(f"The weights of {spec.id} are not on this machine.")
     if spec.source == "folder":
-        return spec.source_location()
+        return source
     target = Path(settings.LMSP_MODEL_CACHE) / spec.slug
     if (target / READY_MARKER).exists():
         return target
@@ -37,14 +40,13 @@ def weights_folder(spec: ModelSpec) -> Path:
     with open(target.parent / f".{spec.slug}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one converter per machine
         if not (target / READY_MARKER).exists():
-            _convert_gguf(spec, target)
+            _convert_gguf(spec, source, target)
     return target
 
 
-def _convert_gguf(spec: ModelSpec, target: Path) -> None:
+def _convert_gguf(spec: ModelSpec, source: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = spec.source_location()
     log.info("Converting %s from %s (once)", spec.id, source / spec.file)
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=spec.file)
     gguf_model = AutoModelForCausalLM.from_pretrained(source, gguf_file=spec.file)

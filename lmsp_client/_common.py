@@ -72,7 +72,7 @@ def settings(base_url: str | None, token: str | None) -> tuple[str, str]:
     return base.rstrip("/"), secret
 
 
-def client_options(base_url: str, token: str, timeout: Any) -> dict:
+def client_options(base_url: str, token: str, timeout: Any) -> dict[str, Any]:
     return {
         "base_url": base_url,
         "headers": {**HEADERS, "Authorization": f"Bearer {token}"},
@@ -80,7 +80,7 @@ def client_options(base_url: str, token: str, timeout: Any) -> dict:
     }
 
 
-def as_input(value: str | list[dict]) -> list[dict]:
+def as_input(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A plain string becomes one user message; a list is sent as given."""
     if isinstance(value, str):
         return [
@@ -90,14 +90,14 @@ def as_input(value: str | list[dict]) -> list[dict]:
 
 
 def response_body(
-    input: str | list[dict],  # noqa: A002 - the protocol's name
+    input: str | list[dict[str, Any]],  # noqa: A002 - the protocol's name
     *,
     model: str | None,
     max_output_tokens: int | None,
     temperature: float | None,
     instructions: str | None,
-    extra: dict,
-) -> dict:
+    extra: dict[str, Any],
+) -> dict[str, Any]:
     """A responses request: only the members given are sent, the service's
     defaults apply to the rest. ``instructions`` becomes a leading system message."""
     items = as_input(input)
@@ -108,7 +108,10 @@ def response_body(
             "content": [{"type": "input_text", "text": instructions}],
         }
         items = [system, *items]
-    body: dict = {"model": model or os.environ.get("LMSP_MODEL") or DEFAULT_MODEL, "input": items}
+    body: dict[str, Any] = {
+        "model": model or os.environ.get("LMSP_MODEL") or DEFAULT_MODEL,
+        "input": items,
+    }
     if max_output_tokens is not None:
         body["max_output_tokens"] = max_output_tokens
     if temperature is not None:
@@ -117,7 +120,7 @@ def response_body(
     return body
 
 
-def write_headers(idempotency_key: str | None) -> dict:
+def write_headers(idempotency_key: str | None) -> dict[str, Any]:
     return {"Idempotency-Key": idempotency_key} if idempotency_key else {}
 
 
@@ -125,15 +128,15 @@ def write_headers(idempotency_key: str | None) -> dict:
 class ResponseOptions:
     """What a caller asks of one response, as ``response_options`` took it."""
 
-    input: str | list[dict]
+    input: str | list[dict[str, Any]]
     model: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     instructions: str | None = None
     idempotency_key: str | None = None
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
-    def body(self, **more: Any) -> dict:
+    def body(self, **more: Any) -> dict[str, Any]:
         """The request body, with ``more`` members over the caller's ``extra``."""
         return response_body(
             self.input,
@@ -144,12 +147,12 @@ class ResponseOptions:
             extra={**self.extra, **more},
         )
 
-    def headers(self, **more: str) -> dict:
+    def headers(self, **more: str) -> dict[str, Any]:
         return {**write_headers(self.idempotency_key), **more}
 
 
 def response_options(
-    input: str | list[dict],  # noqa: A002 - the protocol's name
+    input: str | list[dict[str, Any]],  # noqa: A002 - the protocol's name
     *,
     model: str | None = None,
     max_output_tokens: int | None = None,
@@ -209,20 +212,25 @@ def takes(
 UNTIL_DONE = httpx.Timeout(None, connect=10.0)
 
 
+JSON = dict[str, Any]
+T = TypeVar("T")
+
+
 @dataclass(frozen=True)
-class Request:
-    """One request of the protocol, before any I/O."""
+class Request(Generic[T]):
+    """One request of the protocol, before any I/O; ``T`` is what its
+    answer gives (``answer``)."""
 
     method: str
     path: str
-    json: dict | None = None
-    params: dict | None = None
-    headers: dict | None = None
+    json: dict[str, Any] | None = None
+    params: dict[str, Any] | None = None
+    headers: dict[str, Any] | None = None
     timeout: Any = httpx.USE_CLIENT_DEFAULT
     member: str | None = None  # the member of the JSON answer returned; None: all of it
 
     @property
-    def send(self) -> dict:
+    def send(self) -> dict[str, Any]:
         """The arguments of ``request`` and ``stream``, of httpx's both clients."""
         return {
             "method": self.method,
@@ -233,23 +241,23 @@ class Request:
             "timeout": self.timeout,
         }
 
-    def answer(self, response: httpx.Response) -> Any:
+    def answer(self, response: httpx.Response) -> T:
         """What the client's method returns for this answer (already read);
         an error answer raises its problem."""
         check(response)
         body = response.json()
-        return body if self.member is None else body[self.member]
+        return cast(T, body if self.member is None else body[self.member])
 
 
-def models() -> Request:
+def models() -> Request[list[JSON]]:
     return Request("GET", "/models", member="data")
 
 
-def model(model_id: str) -> Request:
+def model(model_id: str) -> Request[JSON]:
     return Request("GET", f"/models/{model_id}")
 
 
-def create_response(options: ResponseOptions) -> Request:
+def create_response(options: ResponseOptions) -> Request[JSON]:
     return Request(
         "POST",
         "/responses",
@@ -259,35 +267,35 @@ def create_response(options: ResponseOptions) -> Request:
     )
 
 
-def get_response(response_id: str) -> Request:
+def get_response(response_id: str) -> Request[JSON]:
     return Request("GET", f"/responses/{response_id}")
 
 
-def create_task(options: ResponseOptions) -> Request:
+def create_task(options: ResponseOptions) -> Request[JSON]:
     task = {"type": "response", "request": options.body()}
     return Request("POST", "/tasks", json=task, headers=options.headers())
 
 
-def get_task(task_id: str) -> Request:
+def get_task(task_id: str) -> Request[JSON]:
     return Request("GET", f"/tasks/{task_id}")
 
 
-def cancel(task_id: str) -> Request:
+def cancel(task_id: str) -> Request[JSON]:
     return Request("POST", f"/tasks/{task_id}/cancel")
 
 
-def list_tasks(status: str | None, limit: int | None, after: str | None) -> Request:
+def list_tasks(status: str | None, limit: int | None, after: str | None) -> Request[JSON]:
     params = {k: v for k, v in (("status", status), ("limit", limit), ("after", after)) if v}
     return Request("GET", "/tasks", params=params)
 
 
-def next_cursor(page: dict) -> str | None:
+def next_cursor(page: dict[str, Any]) -> str | None:
     """The cursor of the page after ``page`` of ``list_tasks``; None after the last."""
     after = page.get("next_cursor")
     return after if page.get("has_more") and after else None
 
 
-def problem_of(response: httpx.Response) -> dict:
+def problem_of(response: httpx.Response) -> dict[str, Any]:
     """The problem document of an error answer (already read). An answer that is
     not one (a proxy's HTML page) still becomes a problem-shaped dict."""
     try:
@@ -374,7 +382,7 @@ class Resume:
         self.connections = 0
 
     @property
-    def headers(self) -> dict:
+    def headers(self) -> dict[str, Any]:
         return {"Last-Event-ID": str(self.last), "Accept": "text/event-stream"}
 
     def accept(self, event: Event) -> bool:
@@ -433,7 +441,7 @@ class Stream:
 
     on_reconnect: ReconnectCallback | None = None
 
-    def request(self) -> Request:
+    def request(self) -> Request[JSON]:
         """The request that opens the next connection."""
         raise NotImplementedError
 
@@ -461,14 +469,14 @@ class DirectStream(Stream):
 
     def __init__(self, options: ResponseOptions) -> None:
         self.last = 0
-        self._request = Request(
+        self._request: Request[JSON] = Request(
             "POST",
             "/responses",
             json=options.body(stream=True),
             headers=options.headers(Accept="text/event-stream"),
         )
 
-    def request(self) -> Request:
+    def request(self) -> Request[JSON]:
         return self._request
 
     def opened(self, response: httpx.Response) -> bool:
@@ -522,7 +530,7 @@ class Follow(Stream):
         self.backoff = Backoff()
         self.failing_since: float | None = None
 
-    def request(self) -> Request:
+    def request(self) -> Request[JSON]:
         self.state.connections += 1
         return Request("GET", f"/tasks/{self.task_id}/events", headers=self.state.headers)
 

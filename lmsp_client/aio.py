@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from httpx_sse import EventSource
@@ -19,6 +19,8 @@ from httpx_sse import EventSource
 from . import _common as common
 from ._common import ReconnectCallback, ResponseOptions, response_options, takes
 from .events import Event
+
+T = TypeVar("T")
 
 
 class AsyncClient(common.ClientBase[httpx.AsyncClient, httpx.AsyncBaseTransport]):
@@ -38,7 +40,7 @@ class AsyncClient(common.ClientBase[httpx.AsyncClient, httpx.AsyncBaseTransport]
 
     # --- I/O: the only places that send ------------------------------------------
 
-    async def _call(self, request: common.Request) -> Any:
+    async def _call(self, request: common.Request[T]) -> T:
         return request.answer(await self._http.request(**request.send))
 
     async def _run(
@@ -67,44 +69,46 @@ class AsyncClient(common.ClientBase[httpx.AsyncClient, httpx.AsyncBaseTransport]
 
     # --- plain requests ----------------------------------------------------------
 
-    async def models(self) -> list[dict]:
+    async def models(self) -> list[dict[str, Any]]:
         """Awaitable ``Client.models``: the models this service serves."""
         return await self._call(common.models())
 
-    async def model(self, model_id: str) -> dict:
+    async def model(self, model_id: str) -> dict[str, Any]:
         """Awaitable ``Client.model``: one model."""
         return await self._call(common.model(model_id))
 
     @takes(response_options)
-    async def create_response(self, options: ResponseOptions) -> dict:
+    async def create_response(self, options: ResponseOptions) -> dict[str, Any]:
         """Awaitable ``Client.create_response``: generate and wait for the whole
         response object."""
         return await self._call(common.create_response(options))
 
-    async def get_response(self, response_id: str) -> dict:
+    async def get_response(self, response_id: str) -> dict[str, Any]:
         """Awaitable ``Client.get_response``: a response stored with ``store: true``."""
         return await self._call(common.get_response(response_id))
 
     @takes(response_options)
-    async def create_task(self, options: ResponseOptions) -> dict:
+    async def create_task(self, options: ResponseOptions) -> dict[str, Any]:
         """Awaitable ``Client.create_task``: queue a durable generation."""
         return await self._call(common.create_task(options))
 
-    async def get_task(self, task_id: str) -> dict:
+    async def get_task(self, task_id: str) -> dict[str, Any]:
         """Awaitable ``Client.get_task``: a task and its status."""
         return await self._call(common.get_task(task_id))
 
-    async def cancel(self, task_id: str) -> dict:
+    async def cancel(self, task_id: str) -> dict[str, Any]:
         """Awaitable ``Client.cancel``: cancel a task."""
         return await self._call(common.cancel(task_id))
 
     async def list_tasks(
         self, *, status: str | None = None, limit: int | None = None, after: str | None = None
-    ) -> dict:
+    ) -> dict[str, Any]:
         """Awaitable ``Client.list_tasks``: one page of the owner's tasks, newest first."""
         return await self._call(common.list_tasks(status, limit, after))
 
-    async def tasks(self, *, status: str | None = None, page_size: int = 20) -> AsyncIterator[dict]:
+    async def tasks(
+        self, *, status: str | None = None, page_size: int = 20
+    ) -> AsyncIterator[dict[str, Any]]:
         """``Client.tasks`` as an async iterator: every task of the owner, newest first."""
         after = None
         while True:

@@ -13,8 +13,8 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterable, Iterator
-from typing import TextIO
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TextIO
 
 from ._common import Reconnect
 from .client import Client
@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CODES["usage"]
     try:
         with Client(args.base_url, args.token) as client:
-            return args.run(client, args)
+            run: Callable[[Client, argparse.Namespace], int] = args.run
+            return run(client, args)
     except EventHistoryExpiredError as error:
         _fail(error)
         return EXIT_CODES["error"]
@@ -132,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _generation_options(args: argparse.Namespace) -> dict:
+def _generation_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": args.model,
         "max_output_tokens": args.max_output_tokens,
@@ -145,7 +146,7 @@ def _print_json(value: object) -> None:
     print(json.dumps(value, ensure_ascii=False), flush=True)
 
 
-def _event_json(event: Event) -> dict:
+def _event_json(event: Event) -> dict[str, Any]:
     return {"id": event.id, "event": event.event_type, "data": event.to_data()}
 
 
@@ -166,7 +167,9 @@ def run_models(client: Client, args: argparse.Namespace) -> int:
 
 def run_ask(client: Client, args: argparse.Namespace) -> int:
     events = client.stream_response(args.text, **_generation_options(args))
-    return _print_events(events, args.json, sys.stdout)
+    status = _print_events(events, args.json, sys.stdout)
+    # a direct stream ends with its final event (the client raises otherwise)
+    return EXIT_CODES["error"] if status is None else status
 
 
 def run_task_create(client: Client, args: argparse.Namespace) -> int:
@@ -301,7 +304,7 @@ class Progress:
         self.break_line = "\n" if stream.isatty() else ""
         self.tokens = 0
         self.started: float | None = None
-        self.final_usage: dict | None = None
+        self.final_usage: dict[str, Any] | None = None
         self.last_draw = 0.0
 
     def counting(self, events: Iterable[Event]) -> Iterator[Event]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from httpx_sse import EventSource
@@ -22,6 +22,8 @@ from httpx_sse import EventSource
 from . import _common as common
 from ._common import ResponseOptions, response_options, takes
 from .events import Event
+
+T = TypeVar("T")
 
 
 class Client(common.ClientBase[httpx.Client, httpx.BaseTransport]):
@@ -41,7 +43,7 @@ class Client(common.ClientBase[httpx.Client, httpx.BaseTransport]):
 
     # --- I/O: the only places that send ------------------------------------------
 
-    def _call(self, request: common.Request) -> Any:
+    def _call(self, request: common.Request[T]) -> T:
         return request.answer(self._http.request(**request.send))
 
     def _run(self, stream: common.Stream) -> Iterator[Event]:
@@ -66,45 +68,45 @@ class Client(common.ClientBase[httpx.Client, httpx.BaseTransport]):
 
     # --- plain requests ----------------------------------------------------------
 
-    def models(self) -> list[dict]:
+    def models(self) -> list[dict[str, Any]]:
         """The models this service serves (``GET /models``)."""
         return self._call(common.models())
 
-    def model(self, model_id: str) -> dict:
+    def model(self, model_id: str) -> dict[str, Any]:
         """One model (``GET /models/{model_id}``)."""
         return self._call(common.model(model_id))
 
     @takes(response_options)
-    def create_response(self, options: ResponseOptions) -> dict:
+    def create_response(self, options: ResponseOptions) -> dict[str, Any]:
         """Generate and wait for the whole response object (``stream: false``).
         ``input`` is a list of input items, or a string for one user message;
         other request members (``tools``, ``store``, ...) go in ``extra``."""
         return self._call(common.create_response(options))
 
-    def get_response(self, response_id: str) -> dict:
+    def get_response(self, response_id: str) -> dict[str, Any]:
         """A response stored with ``store: true``."""
         return self._call(common.get_response(response_id))
 
     @takes(response_options)
-    def create_task(self, options: ResponseOptions) -> dict:
+    def create_task(self, options: ResponseOptions) -> dict[str, Any]:
         """Queue a durable generation (``POST /tasks``); returns the task."""
         return self._call(common.create_task(options))
 
-    def get_task(self, task_id: str) -> dict:
+    def get_task(self, task_id: str) -> dict[str, Any]:
         """A task and its status (``GET /tasks/{task_id}``)."""
         return self._call(common.get_task(task_id))
 
-    def cancel(self, task_id: str) -> dict:
+    def cancel(self, task_id: str) -> dict[str, Any]:
         """Cancel a task; a task already final raises ``task_not_cancellable``."""
         return self._call(common.cancel(task_id))
 
     def list_tasks(
         self, *, status: str | None = None, limit: int | None = None, after: str | None = None
-    ) -> dict:
+    ) -> dict[str, Any]:
         """One page of the owner's tasks, newest first."""
         return self._call(common.list_tasks(status, limit, after))
 
-    def tasks(self, *, status: str | None = None, page_size: int = 20) -> Iterator[dict]:
+    def tasks(self, *, status: str | None = None, page_size: int = 20) -> Iterator[dict[str, Any]]:
         """Every task of the owner, newest first, paging through the cursor."""
         after = None
         while True:

@@ -10,6 +10,8 @@ and the result has to be fetched from the task instead.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class LMSPError(Exception):
     """Every error this client raises."""
@@ -18,7 +20,7 @@ class LMSPError(Exception):
 class ProblemError(LMSPError):
     """An error answer of the service, carrying its problem document."""
 
-    def __init__(self, problem: dict, *, http_status: int | None = None) -> None:
+    def __init__(self, problem: dict[str, Any], *, http_status: int | None = None) -> None:
         self.problem = dict(problem)
         status = self.problem.get("status")
         self.status: int | None = status if isinstance(status, int) else http_status
@@ -42,7 +44,7 @@ class EventHistoryExpiredError(ProblemError):
     result, is at ``task_url`` (its status is ``task_status``)."""
 
     def __init__(
-        self, problem: dict, *, http_status: int | None = None, after: int | None = None
+        self, problem: dict[str, Any], *, http_status: int | None = None, after: int | None = None
     ) -> None:
         self.first_available_event_id: int | None = problem.get("first_available_event_id")
         self.task_status: str | None = problem.get("task_status")
@@ -75,7 +77,9 @@ class ConnectionLostError(LMSPError):
         super().__init__(message)
 
 
-def problem_error(problem: dict, http_status: int, after: int | None = None) -> ProblemError:
+def problem_error(
+    problem: dict[str, Any], http_status: int, after: int | None = None
+) -> ProblemError:
     """The exception for an error answer."""
     if problem.get("code") == "event_history_expired":
         return EventHistoryExpiredError(problem, http_status=http_status, after=after)

@@ -29,7 +29,7 @@ class Event:
     fields: ClassVar[tuple[str, ...]] = ()
 
     id: int | None
-    data: dict = field(default_factory=dict, repr=False, compare=False)
+    data: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def event_type(self) -> str:
@@ -40,7 +40,7 @@ class Event:
         """True for the events after which the service closes the stream."""
         return self.event_type in FINAL_TYPES
 
-    def to_data(self) -> dict:
+    def to_data(self) -> dict[str, Any]:
         """The JSON object this event stands for: the typed members over any
         members only ``data`` carries."""
         body = dict(self.data)
@@ -78,7 +78,7 @@ class ResponseCreated(_StatusEvent):
 @dataclass(frozen=True, kw_only=True)
 class _ItemEvent(_ResponseEvent):
     output_index: int
-    item: dict
+    item: dict[str, Any]
 
 
 class OutputItemAdded(_ItemEvent):
@@ -115,7 +115,7 @@ class FunctionCallArgumentsDelta(_Delta):
 
 @dataclass(frozen=True, kw_only=True)
 class _Ended(_StatusEvent):
-    usage: dict | None = None
+    usage: dict[str, Any] | None = None
 
 
 class ResponseCompleted(_Ended):
@@ -129,14 +129,14 @@ class ResponseCancelled(_Ended):
 @dataclass(frozen=True, kw_only=True)
 class ResponseIncomplete(_StatusEvent):
     type: ClassVar[str] = "response.incomplete"
-    incomplete_details: dict | None = None
-    usage: dict | None = None
+    incomplete_details: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class ResponseFailed(_StatusEvent):
     type: ClassVar[str] = "response.failed"
-    error: dict | None = None
+    error: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,7 +144,7 @@ class ErrorEvent(Event):
     """A problem not tied to one response; the stream cannot continue."""
 
     type: ClassVar[str] = "error"
-    error: dict
+    error: dict[str, Any]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,7 +158,7 @@ class UnknownEvent(Event):
     def event_type(self) -> str:
         return self.name
 
-    def to_data(self) -> dict:
+    def to_data(self) -> dict[str, Any]:
         return dict(self.data)
 
 
@@ -185,7 +185,9 @@ for _cls in EVENT_TYPES.values():
 DELTA_TYPES = (OutputTextDelta, ReasoningSummaryTextDelta, FunctionCallArgumentsDelta)
 
 
-def parse_event(name: str, data: str | dict | None, event_id: str | int | None = None) -> Event:
+def parse_event(
+    name: str, data: str | dict[str, Any] | None, event_id: str | int | None = None
+) -> Event:
     """An event from its SSE fields: ``event`` name, ``data`` (JSON text or an
     already parsed object) and ``id`` (text or int; empty means none)."""
     if isinstance(data, str):
@@ -217,7 +219,7 @@ def _event_id(raw: str | int | None) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def output_text(response: dict) -> str:
+def output_text(response: dict[str, Any]) -> str:
     """The text of a response object's message items, concatenated."""
     return "".join(
         part.get("text", "")

@@ -42,7 +42,7 @@ _DIGITS = re.compile(rb"[0-9]{1,30}")
 
 
 # How errors are shaped under a path prefix: the problem object in, the body out.
-ProblemShape = Callable[[dict], dict]
+ProblemShape = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 async def _answer(send: Send, code: str, detail: str, shape: ProblemShape | None) -> None:

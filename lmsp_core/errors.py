@@ -8,6 +8,7 @@ exceptions onto the same codes so no answer is ever an HTML page.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from django.http import JsonResponse
 from rest_framework import exceptions as drf_exceptions
@@ -67,7 +68,7 @@ TITLES = {
 }
 
 
-def problem(code: str, detail: str, param: str | None = None, **extra: object) -> dict:
+def problem(code: str, detail: str, param: str | None = None, **extra: object) -> dict[str, Any]:
     """The problem object, as used in HTTP answers, failed tasks and SSE events."""
     body = {
         "type": f"urn:lmsp:error:{code}",
@@ -104,7 +105,7 @@ class ProblemError(Exception):
     def status(self) -> int:
         return STATUS_BY_CODE[self.code]
 
-    def as_problem(self) -> dict:
+    def as_problem(self) -> dict[str, Any]:
         return problem(self.code, self.detail, self.param, **self.extra)
 
 
@@ -121,7 +122,7 @@ def unauthorized(detail: str) -> ProblemError:
     return ProblemError("unauthorized", detail, headers={"WWW-Authenticate": 'Bearer realm="lmsp"'})
 
 
-def drf_exception_handler(exc: Exception, context: dict) -> JsonResponse | None:
+def drf_exception_handler(exc: Exception, context: dict[str, Any]) -> JsonResponse | None:
     if isinstance(exc, ProblemError):
         return problem_response(exc)
     if isinstance(exc, drf_exceptions.NotAuthenticated | drf_exceptions.AuthenticationFailed):

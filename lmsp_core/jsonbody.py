@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
-from typing import IO
+from collections.abc import Callable, Mapping
+from typing import IO, Any
 
 from django.conf import settings
 from rest_framework.exceptions import ParseError
@@ -109,7 +109,7 @@ def _key_in_param(key: str) -> str:
 def deep_path(text: str, limit: int) -> str:
     """The path of the first member nested deeper than ``limit`` (slow: run
     only on a body already known to be too deep; stops at that member)."""
-    stack: list[list] = []  # ["[", index] or ["{", key]
+    stack: list[list[Any]] = []  # ["[", index] or ["{", key]
     for match in _TOKEN.finditer(text):
         token = match.group(0)
         if token in "[{":
@@ -130,7 +130,7 @@ def deep_path(text: str, limit: int) -> str:
     return _path(stack) or "body"
 
 
-def _path(stack: list[list]) -> str:
+def _path(stack: list[list[Any]]) -> str:
     path = ""
     for kind, where in stack:
         if kind == "[":
@@ -188,8 +188,8 @@ def loads_strict(raw: bytes) -> object:
     """Parse a request body: UTF-8 JSON, no NaN/Infinity, no duplicate keys,
     nothing PostgreSQL cannot store, at most ``LMSP_MAX_JSON_DEPTH`` deep."""
 
-    def no_duplicates(pairs: list[tuple[str, object]]) -> dict:
-        result: dict = {}
+    def no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, Any]:
+        result: dict[str, Any] = {}
         for key, value in pairs:
             if key in result:
                 raise ValueError(f"duplicate key {key[:_LONGEST_KEY_IN_PARAM]!r}")
@@ -245,8 +245,8 @@ class StrictJSONParser(JSONParser):
         self,
         stream: IO[bytes] | None,
         media_type: str | None = None,
-        parser_context: dict | None = None,
-    ) -> object:
+        parser_context: Mapping[str, Any] | None = None,
+    ) -> Any:
         raw = stream.read() if stream is not None else b""
         if not raw:
             raise ParseError("the body is empty")

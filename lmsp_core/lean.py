@@ -62,11 +62,12 @@ import asyncio
 import io
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from contextlib import aclosing
+from typing import Any, cast
 
 from django.conf import settings
 from django.core.handlers.asgi import ASGIHandler, ASGIRequest, get_script_prefix
 from django.core.handlers.exception import response_for_exception
-from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
 from django.urls import Resolver404, ResolverMatch, resolve, set_script_prefix
 from django.utils.deprecation import MiddlewareMixin
 from django.utils.log import log_response
@@ -75,6 +76,8 @@ from django.utils.module_loading import import_string
 from .asgi import BoundedBody, Receive, Scope, Send, replayed
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponseBase]]
+# How django-stubs types the ``send`` of ``ASGIHandler.send_response``.
+DjangoSend = Callable[[Mapping[str, Any]], Awaitable[None]]
 
 
 class _Declined(BaseException):
@@ -94,15 +97,15 @@ class LeanViews:
     """
 
     def __init__(
-        self, app: BoundedBody, django: ASGIHandler, views: Mapping[Callable, str]
+        self, app: BoundedBody, django: ASGIHandler, views: Mapping[Callable[..., Any], str]
     ) -> None:
         self.app = app
         self.django = django
         self.views = dict(views)
         self.methods = frozenset(views.values())
         self._chain: Handler | None = None
-        self._view_hooks: list[Callable] = []
-        self._exception_hooks: list[Callable] = []
+        self._view_hooks: list[Callable[..., Any]] = []
+        self._exception_hooks: list[Callable[..., Any]] = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         match = self._view_of(scope)
@@ -124,12 +127,12 @@ class LeanViews:
         del match
         if response is None:
             return  # the client left while its view ran, which was cancelled
-        if response.streaming and response.is_async:
+        if isinstance(response, StreamingHttpResponse) and response.is_async:
             stream = _Stream(response)
             del response  # a waiting stream holds only its iterator
             await stream.send(receive, send)
         else:
-            await self.django.send_response(response, send)
+            await self.django.send_response(response, cast(DjangoSend, send))
 
     def _view_of(self, scope: Scope) -> ResolverMatch | None:
         """The resolved view when it is one of ours for the request's method,
@@ -159,7 +162,11 @@ class LeanViews:
         response = await self._chain(request)
         if response.status_code >= 400:
             log_response(
-                "%s: %s", response.reason_phrase, request.path, response=response, request=request
+                "%s: %s",
+                response.reason_phrase,
+                request.path,
+                response=cast(HttpResponse, response),  # only its status and content are read
+                request=request,
             )
         return response
 
@@ -185,6 +192,8 @@ class LeanViews:
     async def _view(self, request: HttpRequest) -> HttpResponseBase:
         """Django's ``_get_response_async`` for a resolved request."""
         match = request.resolver_match
+        assert match is not None  # set by _respond
+        response: HttpResponseBase | None
         for hook in self._view_hooks:
             response = hook(request, match.func, match.args, match.kwargs)
             if response is not None:
@@ -192,8 +201,8 @@ class LeanViews:
         try:
             response = await match.func(request, *match.args, **match.kwargs)
         except Exception as exc:
-            for hook in self._exception_hooks:
-                response = hook(request, exc)
+            for exception_hook in self._exception_hooks:
+                response = exception_hook(request, exc)
                 if response is not None:
                     return response
             raise
@@ -267,9 +276,16 @@ async def _unless_left(
     try:
         return await view
     except asyncio.CancelledError:
-        if not view.cancelled() or asyncio.current_task().cancelling():
+        if not view.cancelled() or _cancelling():
             raise
         return None
+
+
+def _cancelling() -> int:
+    """Whether the running task itself is being cancelled (its count of requests)."""
+    task = asyncio.current_task()
+    assert task is not None  # called from a coroutine
+    return task.cancelling()
 
 
 async def _disconnect(receive: Receive) -> None:
@@ -296,13 +312,13 @@ class _Stream:
             (b"Set-Cookie", cookie.output(header="").encode("ascii").strip())
             for cookie in response.cookies.values()
         ]
-        self.start: dict | None = {
+        self.start: dict[str, Any] | None = {
             "type": "http.response.start",
             "status": response.status_code,
             "headers": headers,
         }
         # The iterator itself: streaming_content would wrap it, holding the response.
-        self.chunks = response._iterator
+        self.chunks = cast(Any, response)._iterator
         self.charset = response.charset
 
     async def send(self, receive: Receive, send: Send) -> None:
@@ -311,6 +327,7 @@ class _Stream:
         leaves, or once the response is complete (ASGI). A wake of a waiting
         stream then resumes only the body's coroutines."""
         start, self.start = self.start, None
+        assert start is not None  # a stream is sent once
         await send(start)
         del start
         body = asyncio.get_running_loop().create_task(self._body(send))
@@ -325,7 +342,7 @@ class _Stream:
         try:
             await body
         except asyncio.CancelledError:
-            if not body.cancelled() or asyncio.current_task().cancelling():
+            if not body.cancelled() or _cancelling():
                 raise
 
     async def _body(self, send: Send) -> None:

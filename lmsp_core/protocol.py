@@ -9,7 +9,8 @@ every layer can build the same shapes.
 from __future__ import annotations
 
 import json
-from typing import Any
+from datetime import datetime
+from typing import Any, overload
 
 FINAL_EVENTS = frozenset(
     {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}
@@ -20,14 +21,18 @@ def dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-def timestamp(moment) -> int | None:  # noqa: ANN001
+@overload
+def timestamp(moment: datetime) -> int: ...
+@overload
+def timestamp(moment: None) -> None: ...
+def timestamp(moment: datetime | None) -> int | None:
     return int(moment.timestamp()) if moment is not None else None
 
 
 # --- objects -----------------------------------------------------------------
 
 
-def model_object(spec: Any) -> dict:  # generation.registry.ModelSpec
+def model_object(spec: Any) -> dict[str, Any]:  # generation.registry.ModelSpec
     return {
         "id": spec.id,
         "object": "model",
@@ -37,7 +42,7 @@ def model_object(spec: Any) -> dict:  # generation.registry.ModelSpec
     }
 
 
-def usage(input_tokens: int, output_tokens: int) -> dict:
+def usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
     return {
         "input_tokens": input_tokens,
         "output_tokens": output_tokens,
@@ -62,7 +67,7 @@ def in_protocol_order(value: Any) -> Any:
     return value
 
 
-def response_object(response: Any) -> dict:  # responses_app.models.Response
+def response_object(response: Any) -> dict[str, Any]:  # responses_app.models.Response
     return {
         "id": response.id,
         "object": "response",
@@ -78,7 +83,7 @@ def response_object(response: Any) -> dict:  # responses_app.models.Response
     }
 
 
-def task_object(task: Any, queue_position: int | None = None) -> dict:  # tasks_app Task
+def task_object(task: Any, queue_position: int | None = None) -> dict[str, Any]:  # tasks_app Task
     """``queue_position``: 1 for the next task its model's workers take, None
     (null) when the task is not waiting (tasks_app.fairness computes it)."""
     final = task.is_final
@@ -99,15 +104,15 @@ def task_object(task: Any, queue_position: int | None = None) -> dict:  # tasks_
     }
 
 
-def deleted_object(response_id: str) -> dict:
+def deleted_object(response_id: str) -> dict[str, Any]:
     """The answer to ``DELETE /responses/{id}``."""
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
 def list_object(
-    data: list[dict], *, has_more: bool | None = None, next_cursor: str | None = None
-) -> dict:
-    body: dict = {"object": "list", "data": data}
+    data: list[dict[str, Any]], *, has_more: bool | None = None, next_cursor: str | None = None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"object": "list", "data": data}
     if has_more is not None:
         body["has_more"] = has_more
         body["next_cursor"] = next_cursor
@@ -117,12 +122,12 @@ def list_object(
 # --- output items ----------------------------------------------------------------
 
 
-def message_item(item_id: str, text: str | None) -> dict:
+def message_item(item_id: str, text: str | None) -> dict[str, Any]:
     content = [] if text is None else [{"type": "output_text", "text": text}]
     return {"id": item_id, "type": "message", "role": "assistant", "content": content}
 
 
-def function_call_item(item_id: str, call_id: str, name: str, arguments: str) -> dict:
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str) -> dict[str, Any]:
     return {
         "id": item_id,
         "type": "function_call",
@@ -132,7 +137,7 @@ def function_call_item(item_id: str, call_id: str, name: str, arguments: str) ->
     }
 
 
-def reasoning_item(item_id: str, text: str | None) -> dict:
+def reasoning_item(item_id: str, text: str | None) -> dict[str, Any]:
     summary = [] if text is None else [{"type": "summary_text", "text": text}]
     return {"id": item_id, "type": "reasoning", "summary": summary}
 
@@ -140,11 +145,13 @@ def reasoning_item(item_id: str, text: str | None) -> dict:
 # --- stream events: (event name, data) pairs --------------------------------------
 
 
-def created_event(response_id: str) -> tuple[str, dict]:
+def created_event(response_id: str) -> tuple[str, dict[str, Any]]:
     return "response.created", {"response_id": response_id, "status": "in_progress"}
 
 
-def item_added_event(response_id: str, output_index: int, item: dict) -> tuple[str, dict]:
+def item_added_event(
+    response_id: str, output_index: int, item: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
     return "response.output_item.added", {
         "response_id": response_id,
         "output_index": output_index,
@@ -152,23 +159,25 @@ def item_added_event(response_id: str, output_index: int, item: dict) -> tuple[s
     }
 
 
-def _delta(event: str, response_id: str, item_id: str, delta: str) -> tuple[str, dict]:
+def _delta(event: str, response_id: str, item_id: str, delta: str) -> tuple[str, dict[str, Any]]:
     return event, {"response_id": response_id, "item_id": item_id, "delta": delta}
 
 
-def text_delta_event(response_id: str, item_id: str, delta: str) -> tuple[str, dict]:
+def text_delta_event(response_id: str, item_id: str, delta: str) -> tuple[str, dict[str, Any]]:
     return _delta("response.output_text.delta", response_id, item_id, delta)
 
 
-def reasoning_delta_event(response_id: str, item_id: str, delta: str) -> tuple[str, dict]:
+def reasoning_delta_event(response_id: str, item_id: str, delta: str) -> tuple[str, dict[str, Any]]:
     return _delta("response.reasoning_summary_text.delta", response_id, item_id, delta)
 
 
-def arguments_delta_event(response_id: str, item_id: str, delta: str) -> tuple[str, dict]:
+def arguments_delta_event(response_id: str, item_id: str, delta: str) -> tuple[str, dict[str, Any]]:
     return _delta("response.function_call_arguments.delta", response_id, item_id, delta)
 
 
-def item_done_event(response_id: str, output_index: int, item: dict) -> tuple[str, dict]:
+def item_done_event(
+    response_id: str, output_index: int, item: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
     return "response.output_item.done", {
         "response_id": response_id,
         "output_index": output_index,
@@ -176,7 +185,7 @@ def item_done_event(response_id: str, output_index: int, item: dict) -> tuple[st
     }
 
 
-def completed_event(response_id: str, usage_body: dict) -> tuple[str, dict]:
+def completed_event(response_id: str, usage_body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return "response.completed", {
         "response_id": response_id,
         "status": "completed",
@@ -184,7 +193,9 @@ def completed_event(response_id: str, usage_body: dict) -> tuple[str, dict]:
     }
 
 
-def incomplete_event(response_id: str, reason: str, usage_body: dict) -> tuple[str, dict]:
+def incomplete_event(
+    response_id: str, reason: str, usage_body: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
     return "response.incomplete", {
         "response_id": response_id,
         "status": "incomplete",
@@ -193,11 +204,11 @@ def incomplete_event(response_id: str, reason: str, usage_body: dict) -> tuple[s
     }
 
 
-def failed_event(response_id: str, error: dict) -> tuple[str, dict]:
+def failed_event(response_id: str, error: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return "response.failed", {"response_id": response_id, "status": "failed", "error": error}
 
 
-def cancelled_event(response_id: str, usage_body: dict) -> tuple[str, dict]:
+def cancelled_event(response_id: str, usage_body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return "response.cancelled", {
         "response_id": response_id,
         "status": "cancelled",

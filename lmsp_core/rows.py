@@ -18,7 +18,7 @@ import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 from django.db import connections
 from django.db.models import Field, Model
@@ -27,7 +27,9 @@ from psycopg.types.json import Json, Jsonb
 M = TypeVar("M", bound=Model)
 
 
-def from_row(model: type[M], names: Sequence[str], values: Sequence, alias: str = "default") -> M:
+def from_row(
+    model: type[M], names: Sequence[str], values: Sequence[Any], alias: str = "default"
+) -> M:
     """An instance of ``model`` with the fields ``names`` (attnames, in the
     order of ``values``) set from a row."""
     connection = connections[alias]
@@ -47,7 +49,7 @@ def columns(model: type[Model]) -> list[str]:
     return [field.column for field in model._meta.concrete_fields]
 
 
-def _inserted_fields(model: type[Model]) -> list[Field]:
+def _inserted_fields(model: type[Model]) -> list[Field[Any, Any]]:
     meta = model._meta
     return [field for field in meta.local_concrete_fields if field is not meta.auto_field]
 
@@ -66,8 +68,9 @@ def as_record(obj: Model, alias: str = "default") -> str:
     items = []
     for field in _inserted_fields(type(obj)):
         value = field.get_db_prep_save(field.pre_save(obj, True), connection)
+        encoded: str
         if isinstance(value, (Json, Jsonb)):  # a JSONField's, with the field's own encoder
-            encoded = (value.dumps or json.dumps)(value.obj)
+            encoded = cast(str, (value.dumps or json.dumps)(value.obj))
         elif isinstance(value, datetime):
             encoded = json.dumps(value.isoformat())
         else:

@@ -8,6 +8,7 @@ the first failing field (``input[0].content[0].type``) in a problem document.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from django.conf import settings
 from rest_framework import serializers
@@ -49,11 +50,11 @@ class StrictListField(serializers.ListField):
     """A JSON array; with ``limit`` (the name of a setting), of at most that
     many members, counted before any member is validated."""
 
-    def __init__(self, *args: object, limit: str | None = None, **kwargs: object) -> None:
+    def __init__(self, *args: Any, limit: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limit = limit
 
-    def to_internal_value(self, data: object) -> list:
+    def to_internal_value(self, data: object) -> list[Any]:
         if not isinstance(data, list):
             self.fail("not_a_list", input_type=type(data).__name__)
         if self.limit is not None:
@@ -66,16 +67,16 @@ class StrictListField(serializers.ListField):
 
 
 class JSONObjectField(serializers.JSONField):
-    def to_internal_value(self, data: object) -> dict:
+    def to_internal_value(self, data: object) -> dict[str, Any]:
         if not isinstance(data, dict):
             raise serializers.ValidationError("Expected a JSON object.")
         return data
 
 
-class StrictSerializer(serializers.Serializer):
+class StrictSerializer(serializers.Serializer[Any]):
     """Refuses members it does not declare, and anything but a JSON object."""
 
-    def to_internal_value(self, data: object) -> dict:
+    def to_internal_value(self, data: object) -> dict[str, Any]:
         if not isinstance(data, dict):
             raise serializers.ValidationError(
                 {"non_field_errors": [f"Expected a JSON object, got {json_type(data)}."]}
@@ -83,7 +84,8 @@ class StrictSerializer(serializers.Serializer):
         unknown = [key for key in data if key not in self.fields]
         if unknown:
             raise serializers.ValidationError({unknown[0]: [f"Unknown field {unknown[0]!r}."]})
-        return super().to_internal_value(data)
+        validated: dict[str, Any] = super().to_internal_value(data)
+        return validated
 
 
 def json_type(value: object) -> str:

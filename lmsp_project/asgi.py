@@ -13,6 +13,7 @@ Django's handler like every other view.
 
 import gc
 import os
+from typing import cast
 
 from django.core.asgi import get_asgi_application
 
@@ -22,7 +23,7 @@ django_application = get_asgi_application()
 
 from django.conf import settings  # noqa: E402
 
-from lmsp_core.asgi import BoundedBody  # noqa: E402 - needs the settings configured
+from lmsp_core.asgi import ASGIApp, BoundedBody  # noqa: E402 - needs the settings configured
 from lmsp_core.lean import LeanViews  # noqa: E402
 from openai_app import views as openai_views  # noqa: E402
 from openai_app.errors import error_body  # noqa: E402
@@ -39,7 +40,8 @@ LEAN_VIEWS = {
     openai_views.chat_completions: "POST",  # /v1/chat/completions
 }
 
-bounded = BoundedBody(django_application, shapes={"/v1/": error_body})
+# Django's handler takes the ASGI mappings as mappings (django-stubs).
+bounded = BoundedBody(cast(ASGIApp, django_application), shapes={"/v1/": error_body})
 application = (
     LeanViews(bounded, django_application, LEAN_VIEWS) if settings.LMSP_LEAN_STREAMS else bounded
 )

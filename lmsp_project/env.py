@@ -6,17 +6,17 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 def env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
-    return default if value in (None, "") else int(value)
+    return int(value) if value else default
 
 
 def env_float(name: str, default: float) -> float:
     value = os.environ.get(name)
-    return default if value in (None, "") else float(value)
+    return float(value) if value else default
 
 
 def env_bool(name: str, default: bool) -> bool:
     value = os.environ.get(name)
-    if value in (None, ""):
+    if not value:
         return default
     return value.strip().lower() in {"1", "true", "yes", "on"}
 

@@ -19,6 +19,7 @@ import atexit
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 RECORD_NAME = "services.json"
 DATABASE_NAME = "lmsp"
@@ -89,7 +90,7 @@ def _forget_dead_handles(pgdata: Path) -> None:
         path.write_text(json.dumps(alive))
 
 
-def _follow_restarts(server: object) -> None:
+def _follow_restarts(server: Any) -> None:  # a pgserver.PostgresServer
     """pgserver's exit hook stops the server through the postmaster process it
     saw when it attached; after a restart with ``pg_ctl`` (the PostgreSQL
     restart tests do that) that process is gone and the new postmaster would

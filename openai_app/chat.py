@@ -55,12 +55,12 @@ class ChatRequest:
     param_of: ParamMap  # an LMSP field name -> the chat request's
 
 
-def _text_of(content: object, param: str, role: str) -> list[str]:
+def _text_of(content: object, param: str, role: str) -> list[Any]:
     """The texts of a message's content (a string or an array of parts)."""
     if isinstance(content, str):
         return [content]
     parts = require_list(content, param)
-    texts = []
+    texts: list[Any] = []  # checked as LMSP's request
     for index, part in enumerate(parts):
         at = f"{param}[{index}]"
         part = require_object(part, at)
@@ -86,7 +86,7 @@ def _message_items(message: object, param: str) -> list[dict]:
         return [{"type": "message", "role": lmsp_role, "content": parts}]
     if role == "assistant":
         check_fields(body, {"role", "content", "tool_calls"}, {"refusal": ()}, f"{param}.")
-        items = []
+        items: list[dict[str, Any]] = []
         texts = (
             []
             if body.get("content") is None

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
+from typing import Any, cast
 
 from django.core.exceptions import RequestDataTooBig
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponseBase, JsonResponse
 
 from lmsp_core.errors import STATUS_BY_CODE, ProblemError
 from lmsp_core.middleware import too_large
@@ -43,7 +44,7 @@ def error_type(status: int) -> str:
 
 def error_object(problem: dict) -> dict:
     """OpenAI's error object for an LMSP problem object (raised or stored)."""
-    status = problem.get("status") or STATUS_BY_CODE.get(problem.get("code"), 500)
+    status = problem.get("status") or STATUS_BY_CODE.get(str(problem.get("code")), 500)
     return {
         "message": problem.get("detail") or problem.get("title") or "Error.",
         "type": error_type(status),
@@ -68,7 +69,7 @@ def internal_error() -> ProblemError:
     return ProblemError("internal_error", "The server failed to answer.")
 
 
-View = Callable[..., Awaitable[HttpResponse]]
+View = Callable[..., Coroutine[Any, Any, HttpResponseBase]]
 
 
 def openai_view(*methods: str) -> Callable[[View], View]:
@@ -77,7 +78,9 @@ def openai_view(*methods: str) -> Callable[[View], View]:
 
     def decorate(view: View) -> View:
         @functools.wraps(view)
-        async def wrapper(request: HttpRequest, *args: object, **kwargs: object) -> HttpResponse:
+        async def wrapper(
+            request: HttpRequest, *args: object, **kwargs: object
+        ) -> HttpResponseBase:
             try:
                 if methods and request.method not in methods:
                     raise ProblemError(
@@ -94,7 +97,7 @@ def openai_view(*methods: str) -> Callable[[View], View]:
                 log.exception("Unhandled error on %s %s", request.method, request.path)
                 return error_response(internal_error())
 
-        wrapper.csrf_exempt = True
+        cast(Any, wrapper).csrf_exempt = True
         return wrapper
 
     return decorate

@@ -40,7 +40,7 @@ SUPPORTED = {
     "previous_response_id",
     "user",  # an end-user id for the caller's own records: changes nothing
 }
-NEUTRAL = {
+NEUTRAL: dict[str, tuple[object, ...]] = {
     "top_p": (1, 1.0),
     "parallel_tool_calls": (True,),
     "truncation": ("disabled",),
@@ -106,16 +106,17 @@ def lmsp_request(body: object) -> ResponsesRequest:
     given = sent(body)
     check_fields(given, SUPPORTED, NEUTRAL)
     raw_input = body.get("input")
+    raw_items: list[Any]
     if isinstance(raw_input, str):
-        items = [{"type": "message", "role": "user", "content": raw_input}]
+        raw_items = [{"type": "message", "role": "user", "content": raw_input}]
     else:
-        items = require_list(raw_input, "input")
-    items = [_input_item(item, f"input[{i}]") for i, item in enumerate(items)]
+        raw_items = require_list(raw_input, "input")
+    items: list[object] = [_input_item(item, f"input[{i}]") for i, item in enumerate(raw_items)]
     instructions = given.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
             raise invalid("instructions", "Expected a string.")
-        system = {"type": "input_text", "text": instructions}
+        system: dict[str, str] = {"type": "input_text", "text": instructions}
         items = [{"type": "message", "role": "system", "content": [system]}, *items]
     request: dict[str, Any] = {
         "model": body.get("model"),

@@ -11,16 +11,22 @@ resuming or cancelling it needs ``tasks:read`` / ``tasks:write``.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from django.contrib.auth.base_user import AbstractBaseUser
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.contrib.auth.models import User
+from django.http import (
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBase,
+    JsonResponse,
+    StreamingHttpResponse,
+)
 
 from accounts_app.models import ApiToken
 from accounts_app.services import authenticate_bearer, require_scope
-from generation.registry import available_models, get_model
+from generation.registry import ModelSpec, available_models, get_model
 from lmsp_core import protocol
 from lmsp_core.errors import ProblemError
 from lmsp_core.http import cpu_call, db_call, json_body
@@ -45,7 +51,7 @@ T = TypeVar("T")
 # --- models -----------------------------------------------------------------------
 
 
-def model_object(spec: object) -> dict:
+def model_object(spec: ModelSpec) -> dict[str, Any]:
     return {"id": spec.id, "object": "model", "created": 0, "owned_by": "lmsp"}
 
 
@@ -87,7 +93,7 @@ def _translated(translate: Callable[[object], T], request: HttpRequest) -> T:
 
 
 async def _submitted(
-    owner: AbstractBaseUser,
+    owner: User,
     validated: dict,
     kind: str,
     key: str | None,
@@ -106,7 +112,7 @@ async def _submitted(
 
 
 @openai_view("POST")
-async def chat_completions(request: HttpRequest) -> HttpResponse:
+async def chat_completions(request: HttpRequest) -> HttpResponseBase:
     token = await event_reader.authenticated(request, "responses:write")
     key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
     translated = await cpu_call(_translated, chat.lmsp_request, request)
@@ -179,7 +185,7 @@ def _sse(kind: str, data: dict) -> bytes:
 
 
 async def _response_frames(
-    events: AsyncIterator[StoredEvent | None],
+    events: AsyncGenerator[StoredEvent | None, None],
     translator: responses.EventTranslator,
     starting_after: int = -1,
 ) -> AsyncIterator[bytes]:
@@ -194,7 +200,7 @@ async def _response_frames(
 
 
 @openai_view("POST")
-async def create_response(request: HttpRequest) -> HttpResponse:
+async def create_response(request: HttpRequest) -> HttpResponseBase:
     token = await event_reader.authenticated(request, "responses:write")
     key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
     translated = await cpu_call(_translated, responses.lmsp_request, request)
@@ -225,7 +231,7 @@ async def create_response(request: HttpRequest) -> HttpResponse:
     return JsonResponse(responses.response_object(result, params, background=False))
 
 
-def _owned_response(owner: AbstractBaseUser, response_id: str) -> tuple[Response, Task | None]:
+def _owned_response(owner: User, response_id: str) -> tuple[Response, Task | None]:
     """A response the owner can read back: a stored one or a background one
     (whose task is kept until task retention). Anything else is 404."""
     task = (
@@ -267,7 +273,7 @@ def _starting_after(request: HttpRequest) -> int:
 
 
 @openai_view("GET", "DELETE")
-async def response_detail(request: HttpRequest, response_id: str) -> HttpResponse:
+async def response_detail(request: HttpRequest, response_id: str) -> HttpResponseBase:
     """``GET /v1/responses/{id}``; with ``stream=true`` the events of a
     background response from the start or after ``starting_after``.
     ``DELETE``: ``delete_response``."""

@@ -66,7 +66,7 @@ def stacked_columns(title: str, labels: list[str], series: dict[str, list[int]])
     ]
     for i, label in enumerate(labels):
         x = left + i * step + 1
-        base = top + plot_h
+        base = float(top + plot_h)
         for s, (name, values) in enumerate(series.items()):
             if not values[i]:
                 continue

@@ -23,8 +23,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from generation import heartbeat
 from generation.registry import available_models
+from tasks_app import heartbeat
 
 from . import dashboard, jobs, recorders
 
@@ -172,21 +172,21 @@ class LmspCollector(Collector):
         """What the live workers' engines hold (their last beats, added up) and
         what they counted."""
         for name, (metric, documentation) in ENGINE_GAUGES.items():
-            family = GaugeMetricFamily(metric, documentation, labels=["model"])
+            gauge = GaugeMetricFamily(metric, documentation, labels=["model"])
             for model in models:
                 beats = served.get(model, [])
-                family.add_metric([model], sum(beat.engine.get(name, 0) for beat in beats))
-            yield family
+                gauge.add_metric([model], sum(beat.engine.get(name, 0) for beat in beats))
+            yield gauge
         counted: dict[tuple[str, str], int] = {}
         for field, count in client.hgetall(recorders.ENGINE_COUNTS_KEY).items():
             labels = _text(field).split(recorders.FIELD_SEPARATOR)
             if len(labels) == 2:
                 counted[(labels[0], labels[1])] = int(count)
         for name, (metric, documentation) in ENGINE_COUNTERS.items():
-            family = CounterMetricFamily(metric, documentation, labels=["model"])
+            counter = CounterMetricFamily(metric, documentation, labels=["model"])
             for model in models:
-                family.add_metric([model], counted.get((model, name), 0))
-            yield family
+                counter.add_metric([model], counted.get((model, name), 0))
+            yield counter
 
     def _histogram(
         self, client: redis.Redis, name: str, metric: str, documentation: str

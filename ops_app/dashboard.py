@@ -15,9 +15,9 @@ from django.db.models import Count, Q, Sum
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
-from generation import heartbeat
 from generation.registry import ModelSpec, available_models, declared_models
 from lmsp_core.status import Status
+from tasks_app import heartbeat
 from tasks_app.models import Task, UsageRecord
 
 WINDOW = timedelta(hours=24)

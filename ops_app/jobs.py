@@ -48,7 +48,9 @@ def job_health(now: float | None = None) -> list[JobHealth]:
     cannot be asked (the caller says "unknown", not "stale")."""
     now = time.time() if now is None else now
     raw = recorders.client().hgetall(recorders.JOBS_KEY)
-    recorded = {key.decode(): float(value) for key, value in raw.items()}
+    recorded = {
+        key.decode() if isinstance(key, bytes) else key: float(value) for key, value in raw.items()
+    }
     health = []
     for job, interval in intervals().items():
         last = recorded.get(job)

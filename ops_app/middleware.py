@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any, cast
 
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
 from django.utils.decorators import sync_and_async_middleware
 
 from . import recorders
@@ -24,38 +25,38 @@ def endpoint_of(request: HttpRequest) -> str:
     return match.route if match is not None and match.route else UNMATCHED
 
 
-def _count_streams(response: HttpResponse) -> None:
+def _count_streams(response: HttpResponseBase) -> None:
     if (
-        getattr(response, "streaming", False)
-        and getattr(response, "is_async", False)
+        isinstance(response, StreamingHttpResponse)
+        and response.is_async
         and response.get("Content-Type", "").startswith("text/event-stream")
     ):
         # The iterator itself, not streaming_content: that wrapper holds the
         # whole response (headers included) for as long as the stream lasts,
         # a kilobyte and more per open stream. Django encodes the chunks
         # (make_bytes) when it sends them, whatever wraps them here.
-        response.streaming_content = recorders.counted_stream(response._iterator)
+        response.streaming_content = recorders.counted_stream(cast(Any, response)._iterator)
 
 
 @sync_and_async_middleware
-def request_metrics(get_response: Callable) -> Callable:  # noqa: ANN001
+def request_metrics(get_response: Callable[..., Any]) -> Callable[..., Any]:
     if asyncio.iscoroutinefunction(get_response):
 
-        async def middleware(request: HttpRequest) -> HttpResponse:
-            response = await get_response(request)
+        async def counted_async(request: HttpRequest) -> HttpResponseBase:
+            response: HttpResponseBase = await get_response(request)
             _count_streams(response)
             recorders.count_request(
                 endpoint_of(request), request.method or "", response.status_code
             )
             return response
 
-    else:
+        return counted_async
 
-        def middleware(request: HttpRequest) -> HttpResponse:
-            response = get_response(request)
-            _count_streams(response)
-            method = request.method or ""
-            recorders.count_request(endpoint_of(request), method, response.status_code)
-            return response
+    def counted(request: HttpRequest) -> HttpResponseBase:
+        response: HttpResponseBase = get_response(request)
+        _count_streams(response)
+        method = request.method or ""
+        recorders.count_request(endpoint_of(request), method, response.status_code)
+        return response
 
-    return middleware
+    return counted

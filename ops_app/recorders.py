@@ -21,10 +21,11 @@ import time
 import weakref
 from collections.abc import AsyncIterator
 from datetime import datetime
+from typing import cast
 
 import redis
 
-from lmsp_project.redis_client import REDIS_ERRORS, redis_client
+from lmsp_core.redis_client import REDIS_ERRORS, redis_client
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class _Pusher:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            open_streams += sum(value for kind, value in batch if kind == "streams")
+            open_streams += sum(int(cast(int, value)) for kind, value in batch if kind == "streams")
             try:
                 _push_counts(batch, open_streams)
             except Exception:  # the thread must outlive any one batch
@@ -118,7 +119,8 @@ def _push_counts(batch: list[tuple[str, object]], open_streams: int) -> None:
     streams_changed = False
     for kind, value in batch:
         if kind == "request":
-            requests[value] = requests.get(value, 0) + 1
+            field = cast(str, value)
+            requests[field] = requests.get(field, 0) + 1
         else:
             streams_changed = True  # opened, closed, or refreshed before it expires
     try:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
 
 from django.db import DatabaseError
@@ -70,7 +70,7 @@ def _leaving(task: Task, cancel_if_left: bool) -> bool:
     return cancel_if_left and not getattr(task, "replayed", False)
 
 
-def _events(task: Task, access: StreamAccess) -> AsyncIterator[StoredEvent | None]:
+def _events(task: Task, access: StreamAccess) -> AsyncGenerator[StoredEvent | None, None]:
     """The task's events from the first, all kept for this reader, ending
     with a final or an ``error`` event; those it was created with come from
     the request that created it (a replay's task was read back, without them)."""
@@ -110,7 +110,7 @@ async def final_result(task: Task, cancel_if_left: bool, access: StreamAccess) -
 
 async def delivered_events(
     task: Task, cancel_if_left: bool, access: StreamAccess
-) -> AsyncIterator[StoredEvent | None]:
+) -> AsyncGenerator[StoredEvent | None, None]:
     """The events of a direct generation from the first (``None``: time for a
     keep-alive), ending with a final event, or an ``error`` event when it
     cannot get there (``follow_events``); the generation is cancelled if the

@@ -10,10 +10,9 @@ request or past the retention of stored responses (``erase``,
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 from django.conf import settings
-from django.contrib.auth.base_user import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
@@ -26,27 +25,35 @@ from tasks_app.models import Task, TaskKind
 
 from .models import Response
 
-if TYPE_CHECKING:
-    from .submit import PreparedGeneration
-
 # A direct answer whose client left before it was delivered is kept this long
 # after it ended, so that an answer being sent is never pulled away.
 UNDELIVERED_GRACE = timedelta(seconds=60)
 
 
-def new(owner: AbstractBaseUser, prepared: PreparedGeneration) -> Response:
-    """The response of a submit, unsaved: the submit's one statement inserts
-    it with its task (``tasks_app.services.start_task``)."""
+def new(
+    owner: User,
+    *,
+    model: str,
+    input: list[dict],
+    params: dict,
+    store: bool,
+    previous: Response | None,
+    prompt: str,
+    input_tokens: int,
+) -> Response:
+    """The response of a submit (``submit.start_generation``), unsaved: the
+    submit's one statement inserts it with its task
+    (``tasks_app.services.start_task``)."""
     return Response(
         id=new_id("resp"),
         owner=owner,
-        model=prepared.spec.id,
-        input=prepared.input,
-        params=prepared.params.as_json(),
-        store=prepared.store,
-        previous_response=prepared.previous,
-        prompt=prepared.prompt,
-        input_tokens=prepared.input_tokens,
+        model=model,
+        input=input,
+        params=params,
+        store=store,
+        previous_response=previous,
+        prompt=prompt,
+        input_tokens=input_tokens,
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from django.contrib.auth.base_user import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db.models import Q, QuerySet
 
 from lmsp_core.errors import ProblemError
@@ -12,9 +12,7 @@ from tasks_app.models import TaskKind
 from .models import Response
 
 
-def stored_response(
-    owner: AbstractBaseUser, response_id: str, param: str | None = None
-) -> Response:
+def stored_response(owner: User, response_id: str, param: str | None = None) -> Response:
     """A response kept with ``store: true`` by this owner, else 404 (never 403)."""
     response = None
     if is_valid_id(response_id, "resp"):  # anything else, NUL included, is not looked up
@@ -25,7 +23,7 @@ def stored_response(
 
 
 def erasable_responses(
-    owner: AbstractBaseUser, response_id: str, param: str | None = None
+    owner: User, response_id: str, param: str | None = None
 ) -> QuerySet[Response]:
     """The response ``DELETE /responses/{id}`` erases, as a query: one this
     owner can read back, stored (``store: true``) or a task's result; else

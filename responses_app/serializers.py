@@ -9,6 +9,8 @@ document naming the field (``validation_problem``).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Any, cast
 
 from django.conf import settings
 from rest_framework import serializers
@@ -53,9 +55,9 @@ class TypedObjectField(serializers.Field):
     def __init__(
         self,
         what: str,
-        by_type: dict[str, type[serializers.Serializer]],
+        by_type: Mapping[str, type[serializers.Serializer[Any]]],
         reserved: tuple[str, ...] = (),
-        **kwargs: object,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.what, self.by_type, self.reserved = what, by_type, reserved
@@ -99,8 +101,8 @@ class MessageItemSerializer(StrictSerializer):
             if part["type"] not in (allowed, "input_text"):
                 raise serializers.ValidationError(
                     {
-                        "content": {
-                            index: {
+                        "content": {  # keyed by the part's index, as DRF's own errors
+                            cast(str, index): {
                                 "type": [
                                     f"A {attrs['role']} message cannot hold {part['type']!r} parts."
                                 ]

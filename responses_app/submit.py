@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from django.contrib.auth.base_user import AbstractBaseUser
+from django.contrib.auth.models import User
 
 from generation.params import GenerationParams
 from generation.prompts import render_prompt
@@ -50,9 +50,7 @@ def _require(spec: ModelSpec, capability: str, param: str) -> None:
         )
 
 
-def prepare_generation(
-    owner: AbstractBaseUser, request: dict, param_prefix: str = ""
-) -> PreparedGeneration:
+def prepare_generation(owner: User, request: dict, param_prefix: str = "") -> PreparedGeneration:
     """Everything a worker needs, from a validated request."""
 
     def at(name: str) -> str:
@@ -98,14 +96,24 @@ def prepare_generation(
     )
 
 
-def start_generation(owner: AbstractBaseUser, prepared: PreparedGeneration, kind: str) -> Task:
+def start_generation(owner: User, prepared: PreparedGeneration, kind: str) -> Task:
     """Store the response and the task that generates it, in one statement,
     which first locks the owner's row and checks its quotas (429), then the
     model's queue (503)."""
+    response = records.new(
+        owner,
+        model=prepared.spec.id,
+        input=prepared.input,
+        params=prepared.params.as_json(),
+        store=prepared.store,
+        previous=prepared.previous,
+        prompt=prepared.prompt,
+        input_tokens=prepared.input_tokens,
+    )
     return services.start_task(
         owner,
         prepared.spec,
-        records.new(owner, prepared),
+        response,
         prepared.input_tokens,
         kind=kind,
         cost=prepared.params.max_output_tokens,
@@ -115,12 +123,13 @@ def start_generation(owner: AbstractBaseUser, prepared: PreparedGeneration, kind
 
 # Per kind of task: the endpoint that creates it (idempotency keys are per
 # endpoint) and where its request sits in the body (errors name that field).
-ENDPOINTS = {TaskKind.DIRECT: ("responses", ""), TaskKind.TASK: ("tasks", "request")}
+ENDPOINTS: dict[str, tuple[str, str]] = {
+    TaskKind.DIRECT: ("responses", ""),
+    TaskKind.TASK: ("tasks", "request"),
+}
 
 
-def submit(
-    owner: AbstractBaseUser, request: dict, *, kind: str, idempotency_key: str | None
-) -> Task:
+def submit(owner: User, request: dict, *, kind: str, idempotency_key: str | None) -> Task:
     """The task generating a validated request; with an ``Idempotency-Key``, the
     task of the first request that used the key (a retry starts nothing)."""
     endpoint, param_prefix = ENDPOINTS[kind]
@@ -134,7 +143,7 @@ def submit(
     return idempotency.start_once(owner, idempotency_key, print_, start)
 
 
-def submit_task(owner: AbstractBaseUser, request: dict, idempotency_key: str | None) -> Task:
+def submit_task(owner: User, request: dict, idempotency_key: str | None) -> Task:
     """``POST /tasks`` with ``"type": "response"`` (registered in ``apps``)."""
     body = {name: value for name, value in request.items() if name != "stream"}
     # a task is always followed through its events, whatever "stream" says

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from contextlib import aclosing
 
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import (
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBase,
+    JsonResponse,
+    StreamingHttpResponse,
+)
 from rest_framework.request import Request
 from rest_framework.response import Response as DRFResponse
 from rest_framework.views import APIView
 
+from accounts_app.authentication import owner_of
 from generation.registry import available_models, get_model
 from lmsp_core import protocol
 from lmsp_core.errors import ProblemError
@@ -43,13 +50,13 @@ class ResponseDetailView(APIView):
     required_scopes = {"GET": "responses:read", "DELETE": "responses:write"}
 
     def get(self, request: Request, response_id: str) -> DRFResponse:
-        response = stored_response(request.user, response_id, param="response_id")
+        response = stored_response(owner_of(request), response_id, param="response_id")
         return DRFResponse(protocol.response_object(response))
 
     def delete(self, request: Request, response_id: str) -> DRFResponse:
         """Erase a stored response or a task's result, with its task and events
         (a running one stops); later turns of its conversation stay."""
-        records.erase(erasable_responses(request.user, response_id, param="response_id"))
+        records.erase(erasable_responses(owner_of(request), response_id, param="response_id"))
         return DRFResponse(protocol.deleted_object(response_id))
 
 
@@ -60,7 +67,7 @@ def _final_answer(body: dict) -> HttpResponse:
 
 
 @csrf_free
-async def create_response(request: HttpRequest) -> HttpResponse:
+async def create_response(request: HttpRequest) -> HttpResponseBase:
     """POST /lmsp/v1/responses: a synchronous answer or a direct event stream.
 
     The generation runs on a worker either way; this view follows its event

@@ -9,7 +9,7 @@ from django.contrib import admin, messages
 from django.contrib.auth import get_user_model
 from django.contrib.auth.admin import UserAdmin as BaseUserAdmin
 from django.core.exceptions import PermissionDenied
-from django.db.models import QuerySet
+from django.db.models import Model, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from django.utils.html import format_html
@@ -134,11 +134,11 @@ class UserAdmin(BaseUserAdmin):
     """The auth user's page, with the owner's LMSP quotas and usage."""
 
     inlines = (*BaseUserAdmin.inlines, OwnerQuotaInline)
-    fieldsets = (*BaseUserAdmin.fieldsets, ("LMSP usage", {"fields": ("lmsp_usage",)}))
+    fieldsets = (*(BaseUserAdmin.fieldsets or ()), ("LMSP usage", {"fields": ("lmsp_usage",)}))
     readonly_fields = (*BaseUserAdmin.readonly_fields, "lmsp_usage")
 
     @admin.display(description="Usage")
-    def lmsp_usage(self, user: object) -> str:
+    def lmsp_usage(self, user: Model | None) -> str:
         if user is None or user.pk is None:
             return "-"
         usage = selectors.owner_usage(user.pk, timezone.now() - timedelta(hours=24))

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 import redis
 
-from lmsp_project.celery import app as celery_app
+from lmsp_core.celery_app import app as celery_app
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,8 @@ def _task_id(raw: bytes | str) -> str | None:
         return None
 
 
-def _list_names(queue: str) -> list[str]:
+def queue_lists(queue: str) -> list[str]:
+    """The Redis lists that hold a queue's waiting messages, one per priority step."""
     return [queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}" for step in PRIORITY_STEPS]
 
 
@@ -67,7 +68,7 @@ def task_ids_in_broker(queues: Iterable[str]) -> set[str] | None:
     try:
         pipe = client.pipeline(transaction=False)
         for queue in sorted(set(queues)):
-            for name in _list_names(queue):
+            for name in queue_lists(queue):
                 pipe.lrange(name, 0, -1)
         pipe.hvals(UNACKED)
         replies = pipe.execute()

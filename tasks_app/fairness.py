@@ -35,6 +35,7 @@ starts afresh when a task is queued again (a lost worker, a re-queue).
 from __future__ import annotations
 
 import functools
+from typing import Any, cast
 
 from django.db import connection
 from django.db.models import Model, Q
@@ -116,7 +117,7 @@ def take_fairest(clock: ModelClock, preferred: str | None = None) -> Task | None
         if row is None:
             return None
         task = picked_task(row)
-        if quotas.may_start(task.owner_id, task.own_max_running):
+        if quotas.may_start(task.owner_id, own_max_running(task)):
             break
         passed_over.append(task.owner_id)
     if task.fair_key > clock.virtual_time:  # as in the claim's one statement (lifecycle)
@@ -153,23 +154,29 @@ SELECT {task}, {response},
 """
 
 
-def picked_task(row: tuple) -> Task:
+def picked_task(row: tuple[Any, ...]) -> Task:
     """The task of a ``fairest_sql`` row (or of a row with the same columns),
     its response and ``own_max_running`` set."""
     task_names, response_names = _names(Task), _names(response_model())
     split = len(task_names)
     task = from_row(Task, task_names, row[:split])
-    task.response = from_row(
+    task.response = from_row(  # type: ignore[assignment]  # responses_app's Response
         response_model(), response_names, row[split : split + len(response_names)]
     )
-    task.own_max_running = row[-1]
+    task.own_max_running = row[-1]  # type: ignore[attr-defined]  # read by own_max_running
     return task
+
+
+def own_max_running(task: Task) -> int | None:
+    """The running limit of a picked task's owner (``picked_task``), if it has one."""
+    limit: int | None = getattr(task, "own_max_running")  # noqa: B009 - set by picked_task
+    return limit
 
 
 def response_model() -> type[Model]:
     """The model of a task's response (``responses_app``'s, which this app
     does not import)."""
-    return Task._meta.get_field("response").related_model
+    return cast("type[Model]", Task._meta.get_field("response").related_model)
 
 
 @functools.cache

@@ -13,10 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.contrib.auth.base_user import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
@@ -45,7 +45,7 @@ def fingerprint(endpoint: str, body: object) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _expiry_cutoff() -> timezone.datetime:
+def _expiry_cutoff() -> datetime:
     return timezone.now() - timedelta(seconds=settings.LMSP_IDEMPOTENCY_TTL_SECONDS)
 
 
@@ -62,7 +62,7 @@ def _in_use(key: str) -> ProblemError:
     )
 
 
-def _claim(owner: AbstractBaseUser, key: str, print_: str) -> IdempotencyKey | Task:
+def _claim(owner: User, key: str, print_: str) -> IdempotencyKey | Task:
     """Our claim on the key, or the task an earlier request started with it.
 
     A claim without a task older than ``LMSP_IDEMPOTENCY_TAKEOVER_SECONDS``
@@ -113,7 +113,7 @@ def _claim(owner: AbstractBaseUser, key: str, print_: str) -> IdempotencyKey | T
     raise _in_use(key)
 
 
-def start_once(owner: AbstractBaseUser, key: str, print_: str, start: Callable[[], Task]) -> Task:
+def start_once(owner: User, key: str, print_: str, start: Callable[[], Task]) -> Task:
     """The task for this key: started now by ``start`` or found from an earlier
     request; a found one has ``replayed`` set (its first request owns it: a
     replay must never cancel it)."""

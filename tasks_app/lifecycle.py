@@ -14,7 +14,8 @@ import functools
 import json
 import logging
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.db import connection, transaction
@@ -24,14 +25,17 @@ from django.utils import timezone
 from generation.output import TEXT_DELTA_EVENTS, OutputAssembler
 from generation.registry import declared_models
 from lmsp_core import protocol, rows
+from lmsp_core.celery_app import app as celery_app
 from lmsp_core.errors import ProblemError, problem
 from lmsp_core.status import FINAL_STATUSES, Status
-from lmsp_project.celery import app as celery_app
 
 from . import broker, fairness, notify, quotas
 from .event_log import EventLog, StoredEvent
 from .models import Event, Task, TokenChunk, UsageRecord
 from .signals import task_finished, task_reopened
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import User
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +68,7 @@ class Progress:
     cancel_requested: bool = False
 
 
-def _lease_deadline() -> timezone.datetime:
+def _lease_deadline() -> datetime:
     return timezone.now() + timedelta(seconds=settings.LMSP_LEASE_SECONDS)
 
 
@@ -113,7 +117,7 @@ def claim(
     first token, claims the fairest task unless its owner has a running
     limit to count first (then ``_claim_counting_running``).
     """
-    claimed = {
+    claimed: dict[str, Any] = {
         "task": task_id,
         "model": model,
         "preferred": preferred,
@@ -256,7 +260,7 @@ def record_progress_many(flushes: list[Flush]) -> list[Progress]:
         new_events=FLUSH_EVENTS_SQL.format(events=_values(5, len(events))) if events else "",
         new_chunks=FLUSH_CHUNKS_SQL.format(chunks=_values(4, len(chunks))) if chunks else "",
     )
-    params = [*tasks, Status.IN_PROGRESS, _lease_deadline()]
+    params: list[Any] = [*tasks, Status.IN_PROGRESS, _lease_deadline()]
     params += [timezone.now(), *events] if events else []
     with connection.cursor() as cursor:
         cursor.execute(sql, params + chunks)
@@ -344,7 +348,7 @@ def hand_back(flush: Flush) -> bool:
     return True
 
 
-def _queue_again(task: Task, queue: str, now: timezone.datetime, *changed: str) -> None:
+def _queue_again(task: Task, queue: str, now: datetime, *changed: str) -> None:
     """Put a locked running task back in its model's queue, keeping its fair
     key (lease expired, or handed back), and send its job after commit."""
     task.status = Status.QUEUED
@@ -433,6 +437,7 @@ def _partial_outcome(task: Task, status: str, error: dict | None = None) -> tupl
     if status == Status.CANCELLED:
         events.append(protocol.cancelled_event(task.response_id, usage))
     else:
+        assert error is not None  # a failure has its problem
         events.append(protocol.failed_event(task.response_id, error))
     outcome = Outcome(
         status=status,
@@ -491,10 +496,11 @@ def _fail_model_gone(task: Task) -> None:
     _finalize(task, *_partial_outcome(task, Status.FAILED, model_gone_problem(task.model)))
 
 
-def _sweep_expired(task_id: str, now: timezone.datetime, report: SweepReport) -> None:
+def _sweep_expired(task_id: str, now: datetime, report: SweepReport) -> None:
     with transaction.atomic():
         task = Task.objects.select_for_update().select_related("response").get(id=task_id)
-        if task.status != Status.IN_PROGRESS or task.lease_expires_at >= now:
+        lease = task.lease_expires_at
+        if task.status != Status.IN_PROGRESS or lease is None or lease >= now:
             return
         if task.cancel_requested:
             _finalize(task, *_partial_outcome(task, Status.CANCELLED))
@@ -516,7 +522,7 @@ def _sweep_expired(task_id: str, now: timezone.datetime, report: SweepReport) ->
             report.requeued.append(task.id)
 
 
-def _resend(task_id: str, now: timezone.datetime, report: SweepReport) -> None:
+def _resend(task_id: str, now: datetime, report: SweepReport) -> None:
     """Send a still queued task's job again (its message is gone), or fail it
     when its model is."""
     with transaction.atomic():
@@ -589,7 +595,7 @@ def deleting(tasks: QuerySet[Task]) -> None:
         transaction.on_commit(functools.partial(notify.publish_changed, task_id))
 
 
-def owner_deleting(sender: type, instance: object, **_: object) -> None:
+def owner_deleting(sender: type, instance: User, **_: object) -> None:
     """``pre_delete`` of a user (connected in ``apps``): its tasks go with it."""
     deleting(Task.objects.filter(owner_id=instance.pk))
 

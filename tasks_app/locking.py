@@ -17,9 +17,10 @@ def locked_row(model: type[M], /, **key: object) -> M:
     One query when the row exists (nearly always: it is created once); else
     an insert that yields to a concurrent one, and the lock taken after it.
     """
-    locked = model.objects.select_for_update()
+    manager = model._default_manager
+    locked = manager.select_for_update()
     row = locked.filter(**key).first()
     if row is None:
-        model.objects.bulk_create([model(**key)], ignore_conflicts=True)
+        manager.bulk_create([model(**key)], ignore_conflicts=True)
         row = locked.get(**key)
     return row

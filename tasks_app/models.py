@@ -1,3 +1,6 @@
+from collections.abc import Sequence
+from typing import Any
+
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
@@ -67,6 +70,13 @@ class Task(models.Model):
             models.Index(fields=["owner", "kind", "-id"], name="task_owner_list"),
             models.Index(fields=["model", "status", "fair_key", "created_at"], name="task_fair"),
         ]
+
+    # Not stored: what the code that made or found this instance knows of it.
+    # The events its submit wrote (``services.start_task``), which its first
+    # follower in this process need not read back (``streams``).
+    events_at_creation: Sequence[Any] = ()
+    # Found under an idempotency key, not started by this request (``idempotency``).
+    replayed: bool = False
 
     def __str__(self) -> str:
         return self.id

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from django.conf import settings
 
 from accounts_app import revocation
-from lmsp_project.redis_client import REDIS_ERRORS, redis_client
+from lmsp_core.redis_client import REDIS_ERRORS, redis_client
 
 log = logging.getLogger(__name__)
 

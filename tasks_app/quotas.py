@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import cast
 
 from django.conf import settings
 
@@ -47,10 +48,10 @@ def limits_of(quota: OwnerQuota | None) -> Limits:
         return default if value is None else value
 
     return Limits(
-        max_running=pick(quota and quota.max_running, settings.LMSP_QUOTA_MAX_RUNNING),
-        max_queued=pick(quota and quota.max_queued, settings.LMSP_QUOTA_MAX_QUEUED),
+        max_running=pick(quota.max_running if quota else None, settings.LMSP_QUOTA_MAX_RUNNING),
+        max_queued=pick(quota.max_queued if quota else None, settings.LMSP_QUOTA_MAX_QUEUED),
         output_tokens_per_minute=pick(
-            quota and quota.output_tokens_per_minute,
+            quota.output_tokens_per_minute if quota else None,
             settings.LMSP_QUOTA_OUTPUT_TOKENS_PER_MINUTE,
         ),
     )
@@ -101,7 +102,7 @@ def _token_retry_after(owner_id: int, limit: int, now: datetime) -> int | None:
         if total < limit:
             break
         total -= tokens
-        leaves_in = (completed_at + TOKEN_WINDOW - now).total_seconds()
+        leaves_in = (cast(datetime, completed_at) + TOKEN_WINDOW - now).total_seconds()
         if total < limit:
             return math.ceil(leaves_in)
     return None if total < limit else math.ceil(TOKEN_WINDOW.total_seconds())

@@ -18,9 +18,9 @@ import logging
 
 import redis
 
-from generation import heartbeat
 from generation.registry import ModelSpec
 
+from . import heartbeat
 from .models import Task
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.contrib.auth.base_user import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db.models import Count, Q, QuerySet, Sum
 from django.utils import timezone
 
@@ -17,7 +17,7 @@ from . import fairness
 from .models import Task, TaskKind, UsageRecord
 
 
-def owned_task(owner: AbstractBaseUser, task_id: str) -> Task:
+def owned_task(owner: User, task_id: str) -> Task:
     """One of the owner's tasks; any other id is 404, existing or not (an id
     that cannot be one, NUL included, never reaches the database)."""
     task = None
@@ -38,7 +38,7 @@ def task_not_found(task_id: str) -> ProblemError:
 
 
 def task_page(
-    owner: AbstractBaseUser,
+    owner: User,
     *,
     limit: int,
     after: str | None,

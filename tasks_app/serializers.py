@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from rest_framework import serializers
 
 from lmsp_core.validation import JSONObjectField, StrictSerializer
@@ -13,6 +15,7 @@ class TaskRequestSerializer(StrictSerializer):
     type = serializers.ChoiceField(choices=[])
     request = JSONObjectField()
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fields["type"].choices = task_types.names()  # registered at start-up
+        choices = cast(serializers.ChoiceField, self.fields["type"])
+        choices.choices = task_types.names()  # registered at start-up

@@ -4,9 +4,10 @@ quotas, 429, and the model's whole queue, 503)."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from django.conf import settings
-from django.contrib.auth.base_user import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import connection
 from django.db.models import Model
 from django.utils import timezone
@@ -92,7 +93,7 @@ def _submit_sql(response_model: type[Model]) -> str:
 
 
 def start_task(
-    owner: AbstractBaseUser,
+    owner: User,
     spec: ModelSpec,
     response: Model,
     input_tokens: int,
@@ -134,7 +135,7 @@ def start_task(
         created_at=now,
     )
     announced, (created_event,) = EventLog.numbered(task, [protocol.created_event(response.pk)])
-    params = {
+    params: dict[str, Any] = {
         "owner": owner.pk,
         "model": spec.id,
         "queued": Status.QUEUED.value,

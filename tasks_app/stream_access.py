@@ -25,11 +25,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 
 from .event_reader import READ_ERRORS, usable_tokens
 from .notify import hub
+
+if TYPE_CHECKING:
+    from accounts_app.models import ApiToken
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +52,7 @@ class StreamAccess:
         self.wake: Callable[[], None] | None = None
 
     @classmethod
-    def of(cls, token: object) -> StreamAccess:
+    def of(cls, token: ApiToken) -> StreamAccess:
         """The access of a stream opened with ``token`` (an ``ApiToken``)."""
         return cls(token.pk, token.owner_id)
 
@@ -97,6 +101,7 @@ class _Checker:
             self.task.get_loop().call_soon_threadsafe(self.soon.set)
 
     async def _run(self) -> None:
+        assert self.soon is not None  # set with the task that runs this
         while _open:
             try:
                 async with asyncio.timeout(settings.LMSP_STREAM_ACCESS_CHECK_SECONDS):

@@ -48,8 +48,9 @@ import logging
 import resource
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
+from typing import cast
 
 from asgiref.sync import SyncToAsync
 from django.conf import settings
@@ -446,6 +447,14 @@ def _release(feed: TaskFeed) -> None:
             hub.unlisten(feed.task_id)
 
 
+def _frames_only(
+    deliveries: AsyncGenerator[tuple[bytes, list[StoredEvent]] | bytes, None],
+) -> AsyncGenerator[bytes, None]:
+    """``_deliveries`` without ``with_events``, as the frames it yields (a cast:
+    the same generator)."""
+    return cast("AsyncGenerator[bytes, None]", deliveries)
+
+
 def lmsp_frame(event: StoredEvent | None) -> bytes:
     """The LMSP frame of a followed event; ``None`` is a keep-alive comment.
     The ``error`` event that ends a stream cut short is no event of the log
@@ -464,7 +473,7 @@ async def follow_events(
     *,
     access: StreamAccess | None = None,
     whole: bool = False,
-) -> AsyncIterator[StoredEvent | None]:
+) -> AsyncGenerator[StoredEvent | None, None]:
     """The events a follower gets, one by one (``None``: time for a
     keep-alive), for readers that speak another stream format than LMSP's
     or cannot reconnect. ``known``: the events of a task this process has
@@ -512,7 +521,7 @@ async def _deliveries(
     known: Sequence[StoredEvent] = (),
     access: StreamAccess | None = None,
     whole: bool = False,
-) -> AsyncIterator[tuple[bytes, list[StoredEvent]] | bytes]:
+) -> AsyncGenerator[tuple[bytes, list[StoredEvent]] | bytes, None]:
     """What a follower is sent: frames joined in one chunk (with
     ``with_events``, as a pair with the events they carry), or a keep-alive
     comment when one is due. The frames of the window are joined once for
@@ -653,14 +662,16 @@ def _overloaded(detail: str) -> ProblemError:
 
 def admitted_stream(
     task_id: str, after: int, release: Callable[[], None], access: StreamAccess | None = None
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """The frames of every event after ``after``, live ones included, until the
     final event, with keep-alive comments while nothing else is sent
     (``: queued N`` while the task waits in its queue); ends early, without a
     final event, when the events it needs are gone or ``access`` ended.
     Gives its admission back when it ends, or when it is dropped before it
     ever started (a client gone before the first byte)."""
-    stream = _deliveries(task_id, after, with_events=False, release=release, access=access)
+    stream = _frames_only(
+        _deliveries(task_id, after, with_events=False, release=release, access=access)
+    )
     weakref.finalize(stream, release)
     return stream
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from django.contrib.auth.base_user import AbstractBaseUser
+from django.contrib.auth.models import User
 
 from .models import Task
 
 # (owner, the body's "request" object, the Idempotency-Key or None) -> the task
-Starter = Callable[[AbstractBaseUser, dict, str | None], Task]
+Starter = Callable[[User, dict, str | None], Task]
 
 _starters: dict[str, Starter] = {}
 

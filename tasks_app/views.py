@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
 from rest_framework.request import Request
 from rest_framework.response import Response as DRFResponse
 from rest_framework.views import APIView
 
+from accounts_app.authentication import owner_of
 from accounts_app.models import ApiToken
 from accounts_app.services import bearer_credentials
 from lmsp_core import protocol
@@ -35,7 +36,7 @@ class TaskCollectionView(APIView):
         if not serializer.is_valid():
             raise validation_problem(serializer.errors)
         start = task_types.starter(serializer.validated_data["type"])
-        task = start(request.user, serializer.validated_data["request"], key)
+        task = start(owner_of(request), serializer.validated_data["request"], key)
         return DRFResponse(
             _task_object(task),
             status=202,
@@ -61,7 +62,9 @@ class TaskCollectionView(APIView):
             raise ProblemError(
                 "invalid_request", "after must be a task id (task_ and a ULID).", param="after"
             )
-        tasks, has_more = selectors.task_page(request.user, limit=limit, after=after, status=status)
+        tasks, has_more = selectors.task_page(
+            owner_of(request), limit=limit, after=after, status=status
+        )
         next_cursor = tasks[-1].id if has_more else None
         data = [_task_object(task) for task in tasks]
         return DRFResponse(protocol.list_object(data, has_more=has_more, next_cursor=next_cursor))
@@ -71,14 +74,14 @@ class TaskDetailView(APIView):
     required_scopes = {"GET": "tasks:read"}
 
     def get(self, request: Request, task_id: str) -> DRFResponse:
-        return DRFResponse(_task_object(selectors.owned_task(request.user, task_id)))
+        return DRFResponse(_task_object(selectors.owned_task(owner_of(request), task_id)))
 
 
 class TaskCancelView(APIView):
     required_scopes = {"POST": "tasks:write"}
 
     def post(self, request: Request, task_id: str) -> DRFResponse:
-        task = services.cancel_task(selectors.owned_task(request.user, task_id))
+        task = services.cancel_task(selectors.owned_task(owner_of(request), task_id))
         return DRFResponse(_task_object(task))
 
 
@@ -108,7 +111,7 @@ async def _open_stream(request: HttpRequest, task_id: str) -> tuple[ApiToken, in
 
 
 @csrf_free
-async def task_events(request: HttpRequest, task_id: str) -> HttpResponse:
+async def task_events(request: HttpRequest, task_id: str) -> HttpResponseBase:
     check_method(request, ("GET",))
     token, after, task = await _open_stream(request, task_id)
     if task.is_final and task.last_event_id <= after:

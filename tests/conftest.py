@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -9,9 +8,7 @@ import httpx
 import pytest
 import redis
 from django.conf import settings
-from django.core.management import CommandError
 from django.db import connections
-from django.test import TransactionTestCase
 
 from accounts_app.models import SCOPES
 from accounts_app.services import create_token
@@ -23,29 +20,6 @@ from lmsp_project.devstack import free_port, start_redis
 from .stack import LOGS, STACK_SETTINGS, Stack
 
 ALL_SCOPES = list(SCOPES)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def flush_again_after_a_deadlock() -> Iterator[None]:
-    """The database is emptied (TRUNCATE) after each test while the stack's
-    processes keep using it: a worker claiming a spare message, the sweeper.
-    TRUNCATE locks its tables one after the other, so it can deadlock with a
-    statement that reads two of them (seen once in a full run); PostgreSQL
-    then fails one side, and when it is the TRUNCATE, it is tried again."""
-    emptied = TransactionTestCase._fixture_teardown
-
-    def empty(test_case: TransactionTestCase) -> None:
-        for attempt in range(3):
-            try:
-                return emptied(test_case)
-            except CommandError as exc:
-                if attempt == 2 or "deadlock detected" not in str(exc.__cause__):
-                    raise
-                time.sleep(0.2)
-
-    TransactionTestCase._fixture_teardown = empty
-    yield
-    TransactionTestCase._fixture_teardown = emptied
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -119,18 +93,34 @@ def token(transactional_db) -> Iterator[str]:  # noqa: ANN001
 
 
 def settle_generations(timeout: float = 120) -> None:
-    """Cancel what a test left queued or running and wait until the worker has
-    let go of it: the database is emptied after each test, and emptying it
-    while a worker still writes a flush can deadlock."""
+    """Cancel what a test left queued or running, wait until it is final, then
+    until the stack's model worker has taken every message of its queues and
+    holds no job: the database is emptied (TRUNCATE) after each test, and a
+    worker that claims meanwhile (a spare message of a cancelled task: its
+    claim locks the model's clock, then reads tasks and responses) holds
+    locks in the opposite order to the TRUNCATE's, which deadlocks. Fails
+    the test when that does not happen in ``timeout``."""
+    from lmsp_core.errors import ProblemError
     from tasks_app import lifecycle
     from tasks_app.models import Task
 
     for task_id in Task.objects.exclude(status__in=FINAL).values_list("id", flat=True):
-        with contextlib.suppress(Exception):  # already final, or gone meanwhile
+        try:
             lifecycle.request_cancel(task_id)
+        except ProblemError as exc:  # it ended meanwhile
+            if exc.code != "task_not_cancellable":
+                raise
+        except Task.DoesNotExist:  # it was deleted meanwhile (retention)
+            pass
     deadline = time.monotonic() + timeout
-    while Task.objects.exclude(status__in=FINAL).exists() and time.monotonic() < deadline:
+    while Task.objects.exclude(status__in=FINAL).exists():
+        assert time.monotonic() < deadline, (
+            "tasks still not final after the test: "
+            f"{list(Task.objects.exclude(status__in=FINAL).values_list('id', 'status'))}"
+        )
         time.sleep(0.1)
+    if Stack.running is not None:
+        Stack.running.wait_until_the_worker_is_idle(deadline - time.monotonic())
 
 
 @pytest.fixture

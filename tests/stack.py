@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,13 +21,13 @@ from lmsp_project.devstack import free_port, start_redis
 ROOT = Path(__file__).resolve().parent.parent
 LOGS = ROOT / "test-artifacts" / "logs"
 
-# Short timings so that crash and retention tests run in seconds.
+# Short timings so that crash and retention tests run in seconds. Flushes
+# run at the shipped interval (LMSP_FLUSH_INTERVAL_SECONDS is not set here).
 STACK_SETTINGS = {
     "LMSP_LEASE_SECONDS": "3",
     "LMSP_SWEEP_INTERVAL_SECONDS": "1",
     "LMSP_REQUEUE_AFTER_SECONDS": "4",
     "LMSP_STREAM_POLL_SECONDS": "1",
-    "LMSP_FLUSH_INTERVAL_SECONDS": "0.05",
     "LMSP_KEEPALIVE_SECONDS": "1",
     # A stalled upload is answered within seconds (tests/test_hostile_input_e2e.py).
     "LMSP_BODY_TIMEOUT_SECONDS": "4",
@@ -99,9 +100,14 @@ class Stack:
 
     running: ClassVar[Stack | None] = None  # the one started, for tests that pause a part
 
-    def __init__(self, db: dict, redis_port: int, settings: dict[str, str] | None = None) -> None:
+    def __init__(self, db: dict, redis_port: int, extra_env: dict[str, str] | None = None) -> None:
+        from django.conf import settings
+
         self.port = free_port()
         self.redis_port = redis_port
+        # The prefix of the queues the model worker consumes (tests may
+        # change the setting for their own in-process runs).
+        self.queue_prefix = settings.LMSP_QUEUE_PREFIX
         self.redis: subprocess.Popen | None = None
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
         self.redis_url = redis_url
@@ -112,25 +118,10 @@ class Stack:
             "REDIS_URL": redis_url,
             "PYTHONUNBUFFERED": "1",
             "LMSP_DEVELOPMENT": "1",  # the built-in secret key is fine for tests
-            **(settings or {}),
+            **(extra_env or {}),
         }
         python = sys.executable
-        self.web = Proc(
-            f"web-{self.port}",
-            [
-                python,
-                "-m",
-                "uvicorn",
-                "lmsp_project.asgi:application",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--no-access-log",
-            ],
-            self.env,
-            ready="Application startup complete",
-        )
+        self.web = self.another_web(self.port)
         self.worker = Proc(
             f"worker-{self.port}", [python, "-m", "workers.serve"], self.env, ready=" ready."
         )
@@ -159,6 +150,17 @@ class Stack:
             ready=" ready.",
         )
 
+    def another_web(self, port: int, name: str = "web", **settings: str) -> Proc:
+        """A web process on ``port`` with the stack's database, Redis and
+        settings, and ``settings`` on top (not started)."""
+        argv = [sys.executable, "-m", "uvicorn", "lmsp_project.asgi:application"]
+        return Proc(
+            f"{name}-{port}",
+            [*argv, "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
+            {**self.env, **settings},
+            ready="Application startup complete",
+        )
+
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
@@ -184,8 +186,47 @@ class Stack:
             self.redis.kill()
             self.redis.wait(10)
 
+    def wait_until_the_worker_is_idle(self, timeout: float) -> None:
+        """Until the model worker (if it runs) has no message waiting in its
+        queues, none reserved and no job running; raises past ``timeout``.
+        A message goes from its queue to the worker's reserved jobs to its
+        active ones: asked in that order, one in flight is always seen."""
+        import redis
+        from django.conf import settings
+
+        from generation.registry import served_models
+        from lmsp_project.celery import app
+        from tasks_app.broker import queue_lists
+
+        process = self.worker.process
+        if process is None or process.poll() is not None:
+            return  # no worker: nothing takes a message
+        queues = [f"{self.queue_prefix}.{spec.slug}" for spec in served_models()]
+        name = f"models-{process.pid}@{socket.gethostname()}"
+        client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5)
+        deadline = time.monotonic() + timeout
+        while True:
+            waiting = sum(client.llen(key) for queue in queues for key in queue_lists(queue))
+            # A connection of its own: a pooled one may be from before a
+            # test restarted Redis.
+            with app.connection() as connection:
+                inspect = app.control.inspect(
+                    destination=[name], timeout=5, limit=1, connection=connection
+                )
+                reserved = inspect.reserved() or {}
+                active = inspect.active() or {}
+            if not waiting and reserved.get(name) == [] and active.get(name) == []:
+                return
+            assert time.monotonic() < deadline, (
+                f"the model worker is not idle: {waiting} messages waiting, "
+                f"reserved {reserved}, active {active}"
+            )
+            time.sleep(0.1)
+
     def client(self, token: str, **kwargs: object) -> httpx.Client:
-        options: dict = {"timeout": httpx.Timeout(120, connect=10), **kwargs}
-        return httpx.Client(
-            base_url=self.base_url, headers={"Authorization": f"Bearer {token}"}, **options
-        )
+        options: dict = {
+            "base_url": self.base_url,
+            "timeout": httpx.Timeout(120, connect=10),
+            **kwargs,
+        }
+        return httpx.Client(headers={"Authorization": f"Bearer {token}"}, **options)

@@ -15,14 +15,13 @@ from django.utils import timezone
 
 from accounts_app.models import SCOPES, ApiToken
 from accounts_app.services import authenticate_bearer, issue_token
-from generation import heartbeat
 from lmsp_core import protocol
 from lmsp_core.errors import problem
 from lmsp_core.ids import new_id
+from lmsp_core.redis_client import redis_client
 from lmsp_core.status import Status
-from lmsp_project.redis_client import redis_client
 from responses_app.models import Response
-from tasks_app import lifecycle
+from tasks_app import heartbeat, lifecycle
 from tasks_app.event_log import EventLog
 from tasks_app.models import Event, Task, UsageRecord
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from django.core.management import call_command
+from django.db import connection
 
 import lmsp_client
 from lmsp_client import Client, output_text
@@ -104,16 +105,33 @@ def follow_with(
 # --- resuming across crashes ----------------------------------------------------------
 
 
+# Long enough that the task still generates once a killed web process is
+# back (its start takes seconds): the follows then resume a live task, not
+# replay a finished one.
+OUTLIVES_A_WEB_RESTART = 300
+
+
+def restart_the_web(stack, task_id: str) -> dict:
+    """kill -9 the web process and start it again; the task's status and last
+    event id once it is back."""
+    stack.web.kill()  # SIGKILL, with the follows' connections open
+    time.sleep(0.5)  # let them find nobody listening
+    stack.web.start()
+    try:
+        return Task.objects.values("status", "last_event_id").get(id=task_id)
+    finally:
+        connection.close()  # this thread's
+
+
 def test_follow_survives_a_kill_9_of_the_web_process(client, stack, token, restart_after):
-    task = client.create_task(LONG_STORY, max_output_tokens=40, temperature=0)
+    task = client.create_task(LONG_STORY, max_output_tokens=OUTLIVES_A_WEB_RESTART, temperature=0)
     starts = stack.web.starts
+    back: dict = {}
 
     def restart_web() -> None:
         while not async_events:  # both follows are reading
             time.sleep(0.05)
-        stack.web.kill()  # SIGKILL, with the follows' connections open
-        time.sleep(0.5)  # let them find nobody listening
-        stack.web.start()
+        back.update(restart_the_web(stack, task["id"]))
 
     async_events: list[lmsp_client.Event] = []
     async_reconnects: list[lmsp_client.Reconnect] = []
@@ -129,6 +147,8 @@ def test_follow_survives_a_kill_9_of_the_web_process(client, stack, token, resta
     twin.join(300)
     done = client.get_task(task["id"])
     assert stack.web.starts == starts + 1
+    # still generating when the web was back: later events came live
+    assert back["status"] == "in_progress" and done["last_event_id"] > back["last_event_id"]
     assert reconnects, "the follow never had to reconnect"
     assert all(r.last_event_id >= 5 for r in reconnects)
     assert_whole_stream(events, done)
@@ -153,7 +173,8 @@ def test_cli_follow_prints_the_whole_answer_across_a_web_restart(
 ):
     env = {**os.environ, "LMSP_BASE_URL": stack.base_url, "LMSP_TOKEN": token}
     created = subprocess.run(
-        [LMSP, "--json", "task", "create", LONG_STORY, "--max-output-tokens", "40"]
+        [LMSP, "--json", "task", "create", LONG_STORY]
+        + ["--max-output-tokens", str(OUTLIVES_A_WEB_RESTART)]
         + ["--temperature", "0"],
         env=env,
         capture_output=True,
@@ -171,12 +192,11 @@ def test_cli_follow_prints_the_whole_answer_across_a_web_restart(
     )
     first = follower.stdout.read(1)  # it is printing the answer: restart the web now
     assert first
-    stack.web.kill()
-    time.sleep(0.5)
-    stack.web.start()
+    back = restart_the_web(stack, task_id)
     rest, errors = follower.communicate(timeout=300)
     errors = errors.decode()
     done = client.get_task(task_id)
+    assert back["status"] == "in_progress" and done["last_event_id"] > back["last_event_id"]
     assert follower.returncode == EXIT[done["status"]], errors
     assert (first + rest).decode() == output_text(done["result"]) + "\n"
     assert "reconnecting..." in errors

@@ -226,7 +226,7 @@ def test_requests_that_do_not_fit_together_are_served_one_after_the_other(small_
 def test_a_follow_up_is_served_by_the_worker_that_ran_the_turn_before(small_stack, small_api):
     """Two model workers of one model, as two hosts would run them: each
     conversation's next turn runs where its first turn's cache is."""
-    from generation import heartbeat
+    from tasks_app import heartbeat
 
     second = Proc(
         f"worker2-{small_stack.port}",

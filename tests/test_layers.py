@@ -1,5 +1,7 @@
-"""The map of the code holds: imports between the packages run one way, and the
-web process does not load the model stack (README, "Architecture")."""
+"""The map of the code holds: imports between the packages run one way, nothing
+below the composition root imports it, no two modules import each other (in
+a ring of any length), and the web process does not load the model stack
+(README, "Architecture")."""
 
 from __future__ import annotations
 
@@ -23,30 +25,97 @@ PACKAGES = (
     "ops_app",
     "lmsp_client",
 )
-# The composition root wires everything together and may import anything.
-COMPOSITION_ROOT = {"lmsp_project/urls.py", "lmsp_project/asgi.py", "lmsp_project/celery.py"}
+# The composition root wires everything together and may import anything;
+# nothing else imports it.
+COMPOSITION_ROOT = "lmsp_project"
 
 
-def imported_packages(path: Path) -> set[str]:
-    """Top-level packages a module imports, at module level or inside functions,
-    TYPE_CHECKING blocks included."""
+def imported_modules(path: Path, modules: set[str] | frozenset[str] = frozenset()) -> set[str]:
+    """Dotted names a module imports, at module level or inside functions,
+    TYPE_CHECKING blocks included, relative imports resolved. ``from p import
+    x`` names ``p.x`` when that is one of ``modules``, else ``p``."""
+    relative = path.relative_to(ROOT).with_suffix("")
+    package = relative.parts[:-1]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1])
+                module = ".".join(part for part in (base, node.module) if part)
+            else:
+                module = node.module or ""
+            for alias in node.names:
+                submodule = f"{module}.{alias.name}"
+                found.add(submodule if submodule in modules else module)
     return found
 
 
+def imported_packages(path: Path) -> set[str]:
+    """Top-level packages a module imports (see ``imported_modules``)."""
+    return {name.split(".")[0] for name in imported_modules(path) if name}
+
+
 def package_imports() -> dict[str, set[str]]:
-    graph: dict[str, set[str]] = {name: set() for name in PACKAGES}
-    for name in PACKAGES:
+    names = (*PACKAGES, COMPOSITION_ROOT)
+    graph: dict[str, set[str]] = {name: set() for name in names}
+    for name in names:
         for path in (ROOT / name).rglob("*.py"):
-            if str(path.relative_to(ROOT)) in COMPOSITION_ROOT:
-                continue
-            graph[name] |= (imported_packages(path) & set(PACKAGES)) - {name}
+            graph[name] |= (imported_packages(path) & set(names)) - {name}
     return graph
+
+
+def module_name(path: Path) -> str:
+    relative = path.relative_to(ROOT).with_suffix("")
+    parts = relative.parts[:-1] if relative.name == "__init__" else relative.parts
+    return ".".join(parts)
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Every module of the service and the client (migrations aside) and the
+    modules of the service it imports."""
+    paths = {
+        module_name(path): path
+        for name in (*PACKAGES, COMPOSITION_ROOT)
+        for path in (ROOT / name).rglob("*.py")
+        if "migrations" not in path.parts
+    }
+    known = set(paths)
+    return {name: (imported_modules(path, known) & known) - {name} for name, path in paths.items()}
+
+
+def rings(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's
+    algorithm): modules that import each other, directly or around a ring."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
 
 
 def test_no_two_packages_import_each_other():
@@ -55,6 +124,23 @@ def test_no_two_packages_import_each_other():
         (a, b) for a in PACKAGES for b in graph[a] if a < b and a in graph.get(b, set())
     )
     assert both_ways == []
+
+
+def test_nothing_below_the_composition_root_imports_it():
+    """The layers take the Redis client and the Celery app from the kernel
+    (``lmsp_core.redis_client``, ``lmsp_core.celery_app``), not from
+    ``lmsp_project``, which imports every layer."""
+    graph = package_imports()
+    assert [name for name in PACKAGES if COMPOSITION_ROOT in graph[name]] == []
+
+
+def test_no_modules_import_each_other():
+    assert rings(module_imports()) == []
+
+
+def test_the_ring_finder_finds_rings_of_any_length():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"} - {"e"}}
+    assert rings(graph) == [["a", "b", "c"]]
 
 
 def test_the_kernel_imports_no_app():
@@ -71,18 +157,21 @@ def test_the_generation_side_imports_only_the_kernel():
 
 def test_nothing_imports_the_openai_adapter():
     """The OpenAI-compatible API sits on top: only the composition root mounts it."""
-    assert [name for name, imports in package_imports().items() if "openai_app" in imports] == []
+    graph = package_imports()
+    assert [name for name in PACKAGES if "openai_app" in graph[name]] == []
 
 
 def test_only_the_worker_records_into_the_operators_app():
-    importers = [name for name, imports in package_imports().items() if "ops_app" in imports]
+    graph = package_imports()
+    importers = [name for name in PACKAGES if "ops_app" in graph[name]]
     assert importers == ["workers"]
 
 
-def test_the_checker_sees_imports_inside_functions(tmp_path):
-    module = tmp_path / "m.py"
-    module.write_text("def f():\n    from tasks_app import lifecycle\n    import workers.runner\n")
-    assert imported_packages(module) == {"tasks_app", "workers"}
+def test_the_checker_sees_imports_inside_functions_and_relative_ones():
+    module = ROOT / "responses_app" / "records.py"
+    found = imported_modules(module)
+    assert {"tasks_app.lifecycle", "responses_app.models"} <= found
+    assert imported_packages(ROOT / "workers" / "serve.py") >= {"generation", "lmsp_core"}
 
 
 def test_the_web_process_does_not_import_the_model_stack():

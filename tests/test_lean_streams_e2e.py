@@ -26,7 +26,6 @@ from lmsp_core.lean import LeanViews
 from tasks_app.retention import prune_events
 
 from .conftest import make_token, request_body
-from .stack import Proc
 from .test_metrics import scrape, value
 from .test_tasks_e2e import create_task, wait_for
 
@@ -100,12 +99,7 @@ def twins(stack):
     procs = []
     for lean in ("1", "0"):
         port = free_port()
-        proc = Proc(
-            f"web-lean{lean}-{port}",
-            [*stack.web.argv[:-5], "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
-            {**stack.env, **CAPS, "LMSP_LEAN_STREAMS": lean},
-            ready="Application startup complete",
-        )
+        proc = stack.another_web(port, f"web-lean{lean}", **CAPS, LMSP_LEAN_STREAMS=lean)
         proc.start()
         procs.append((proc, port))
     yield procs[0][1], procs[1][1]

@@ -8,7 +8,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmsp_project.redis_client import redis_client
+from lmsp_core.redis_client import redis_client
 from ops_app import jobs, recorders
 
 from .conftest import LONG_STORY, make_token, parse_sse, request_body

@@ -201,6 +201,12 @@ def test_fifty_live_readers_each_get_every_event_once_in_order(api, stack, token
 # --- cancellation ------------------------------------------------------------------
 
 
+# How many tokens a running generation may still write once its cancel is
+# posted: the flush interval's steps and the announcement's, with room for a
+# loaded machine (a step of the batch of 8 takes about 70 ms here).
+CANCEL_WITHIN_TOKENS = 16
+
+
 def test_cancel_running_queued_and_final_tasks(api):
     running = create_task(api, input=[user_message(LONG_STORY)], max_output_tokens=400)
     # the rest of the worker's batch, so that the next task has to wait
@@ -215,10 +221,16 @@ def test_cancel_running_queued_and_final_tasks(api):
     events = read_events(api, queued["id"])
     assert [e["event"] for e in events] == ["response.created", "response.cancelled"]
 
+    # The tokens written by the flush before the cancel: the cancel lands mid-
+    # generation, far from the token limit, and stops it within a few tokens
+    # (the steps of one flush interval and the cancel's announcement).
+    written = Task.objects.get(id=running["id"]).checkpoint["tokens"]
+    assert 0 < written < 400 - CANCEL_WITHIN_TOKENS, f"the cancel came at token {written}"
     assert api.post(f"/lmsp/v1/tasks/{running['id']}/cancel").status_code == 200
     stopped = wait_for(api, running["id"], timeout=5)
     assert stopped["status"] == "cancelled"
-    assert stopped["result"]["usage"]["output_tokens"] > 0
+    generated = stopped["result"]["usage"]["output_tokens"]
+    assert written <= generated <= written + CANCEL_WITHIN_TOKENS, (written, generated)
     events = read_events(api, running["id"])
     assert events[-1]["event"] == "response.cancelled"
     assert deltas_text(events) == stopped["result"]["output"][0]["content"][0]["text"]

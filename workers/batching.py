@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import xgrammar as xgr
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 FinishReason = Literal["eos", "length", "stopped", "cancelled", "preempted", "error"]
 TokenCallback = Callable[[int], "bool | None"]
 
-_STREAM_END = object()
+_STREAM_END = -1  # ends a stream of token ids
 
 
 class Generation:
@@ -68,7 +68,7 @@ class Generation:
         self.finished_at: float | None = None
         self._cancel_requested = False
         self._finished = threading.Event()
-        self._stream: queue.SimpleQueue | None = queue.SimpleQueue() if streamed else None
+        self._stream: queue.SimpleQueue[int] | None = queue.SimpleQueue() if streamed else None
 
     def cancel(self) -> None:
         """Ask the engine to drop this request; takes effect before its next token.
@@ -97,7 +97,7 @@ class Generation:
             raise RuntimeError("This request delivers its tokens to its on_token callback.")
         while True:
             item = self._stream.get(timeout=timeout)
-            if item is _STREAM_END:
+            if item == _STREAM_END:
                 return
             yield item
 
@@ -113,7 +113,7 @@ class Generation:
             except queue.Empty:
                 yield None
                 continue
-            if item is _STREAM_END:
+            if item == _STREAM_END:
                 return
             yield item
 
@@ -361,7 +361,7 @@ class BatchingEngine:
 
     def _end(self, request: Request, status: RequestStatus | None = None) -> None:
         generation, _ = self._generations.pop(request.id)
-        generation._finish((status or request.status).value, request.error)
+        generation._finish(cast(FinishReason, (status or request.status).value), request.error)
 
 
 _engines: dict[str, BatchingEngine] = {}

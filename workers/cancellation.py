@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from lmsp_project.redis_client import REDIS_ERRORS, redis_client
+from lmsp_core.redis_client import REDIS_ERRORS, redis_client
 from tasks_app.notify import CANCEL_CHANNEL
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class CancelWatch:
     def _listen(self) -> None:
         backoff = 0.2
         while True:
-            pubsub = redis_client().pubsub(ignore_subscribe_messages=True)
+            pubsub = redis_client().pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
             try:
                 pubsub.subscribe(CANCEL_CHANNEL)
                 backoff = 0.2

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 import xgrammar as xgr
@@ -40,7 +41,13 @@ def _tokenizer_info(spec: ModelSpec, vocab_size: int) -> xgr.TokenizerInfo:
 
 @functools.cache
 def _tokenizer_info_json(spec: ModelSpec, vocab_size: int) -> str:
-    return _tokenizer_info(spec, vocab_size).serialize_json()
+    serialized: str = _tokenizer_info(spec, vocab_size).serialize_json()
+    return serialized
+
+
+def vocab_size(lm: LoadedModel) -> int:
+    """The model's vocabulary (its logits' width), which grammars are compiled for."""
+    return int(cast(Any, lm.model).config.vocab_size)
 
 
 class CompiledCache:
@@ -50,17 +57,17 @@ class CompiledCache:
 
     def __init__(self, max_entries: int, max_bytes: int) -> None:
         self.max_entries, self.max_bytes = max_entries, max_bytes
-        self._items: OrderedDict[tuple, tuple[xgr.CompiledGrammar, int]] = OrderedDict()
+        self._items: OrderedDict[tuple[Any, ...], tuple[xgr.CompiledGrammar, int]] = OrderedDict()
         self.bytes = 0
 
-    def get(self, key: tuple) -> xgr.CompiledGrammar | None:
+    def get(self, key: tuple[Any, ...]) -> xgr.CompiledGrammar | None:
         hit = self._items.get(key)
         if hit is None:
             return None
         self._items.move_to_end(key)
         return hit[0]
 
-    def put(self, key: tuple, grammar: xgr.CompiledGrammar) -> None:
+    def put(self, key: tuple[Any, ...], grammar: xgr.CompiledGrammar) -> None:
         size = int(grammar.memory_size_bytes)
         if key in self._items:
             self.bytes -= self._items.pop(key)[1]
@@ -111,10 +118,12 @@ def compiled_grammar(lm: LoadedModel, params: GenerationParams) -> xgr.CompiledG
     fmt = grammar_format(params, lm.spec)
     if fmt is None:
         return None
-    return _compiled(lm.spec, lm.model.config.vocab_size, structural_tag(fmt))
+    return _compiled(lm.spec, vocab_size(lm), structural_tag(fmt))
 
 
-def _matcher(lm: LoadedModel, grammar: xgr.CompiledGrammar, generated: Sequence[int]):  # noqa: ANN202
+def _matcher(
+    lm: LoadedModel, grammar: xgr.CompiledGrammar, generated: Sequence[int]
+) -> xgr.GrammarMatcher:
     # The stop tokens are the ones generate() ends on, so a finished grammar
     # leaves the model nothing to sample but the end of its turn.
     matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=sorted(lm.eos_token_ids))
@@ -127,7 +136,7 @@ def _matcher(lm: LoadedModel, grammar: xgr.CompiledGrammar, generated: Sequence[
 # --- decoding --------------------------------------------------------------------
 
 
-class GrammarLogitsProcessor(LogitsProcessor):
+class GrammarLogitsProcessor(LogitsProcessor):  # type: ignore[misc]  # transformers: untyped here
     """Masks each step's logits to the tokens the grammar allows next.
 
     Stateful, one per ``generate()`` call. The matcher starts advanced
@@ -159,7 +168,7 @@ def logits_processors(
     if grammar is None:
         return []
     matcher = _matcher(lm, grammar, list(generated))
-    return [GrammarLogitsProcessor(matcher, lm.model.config.vocab_size)]
+    return [GrammarLogitsProcessor(matcher, vocab_size(lm))]
 
 
 def ended(lm: LoadedModel, params: GenerationParams, generated: Sequence[int]) -> bool:
@@ -171,9 +180,9 @@ def ended(lm: LoadedModel, params: GenerationParams, generated: Sequence[int]) -
     matcher = _matcher(lm, grammar, generated)
     if not matcher.is_completed():
         return False
-    vocab_size = lm.model.config.vocab_size
-    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    width = vocab_size(lm)
+    bitmask = xgr.allocate_token_bitmask(1, width)
     matcher.fill_next_token_bitmask(bitmask)
-    allowed = torch.zeros(vocab_size)
+    allowed = torch.zeros(width)
     xgr.apply_token_bitmask_inplace(allowed.unsqueeze(0), bitmask)
     return set(torch.isfinite(allowed).nonzero().flatten().tolist()) <= lm.eos_token_ids

@@ -15,9 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    LogitsProcessorList,
+    PreTrainedTokenizerBase,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from .loading import LoadedModel
 
@@ -28,13 +34,13 @@ class Sampling:
     temperature: float  # 0 means greedy
 
 
-class _StepHook(StoppingCriteria):
+class _StepHook(StoppingCriteria):  # type: ignore[misc]  # transformers is read as Any
     def __init__(self, on_token: Callable[[int], bool]) -> None:
         self.on_token = on_token
 
     def __call__(
-        self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs
-    ) -> torch.BoolTensor:  # noqa: ANN003
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any
+    ) -> torch.BoolTensor:
         stop = self.on_token(int(input_ids[0, -1]))
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
@@ -47,7 +53,7 @@ def generate(
     logits_processors: Sequence[object] = (),
 ) -> None:
     ids = torch.tensor([list(input_ids)], device=lm.model.device)
-    options: dict = {"do_sample": sampling.temperature > 0}
+    options: dict[str, Any] = {"do_sample": sampling.temperature > 0}
     if options["do_sample"]:
         options.update(temperature=sampling.temperature, top_k=0, top_p=1.0)
     eos = sorted(lm.eos_token_ids)
@@ -72,14 +78,14 @@ class IncrementalDetokenizer:
     tokenizer enough context to place spaces right.
     """
 
-    def __init__(self, tokenizer: object, prefix: int = 0, read: int = 0) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prefix: int = 0, read: int = 0) -> None:
         self.tokenizer = tokenizer
         self.prefix = prefix
         self.read = read
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        return str(
+            self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         )
 
     def step(self, token_ids: Sequence[int]) -> str:
@@ -97,5 +103,5 @@ class IncrementalDetokenizer:
         self.prefix = self.read = len(token_ids)
         return after[len(before) :] if len(after) > len(before) else ""
 
-    def offsets(self) -> dict:
+    def offsets(self) -> dict[str, int]:
         return {"prefix": self.prefix, "read": self.read}

@@ -11,9 +11,13 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from generation.registry import ModelSpec
 from generation.weights import weights_folder
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +33,8 @@ CPU_BUDGET_CONTEXTS = 4
 @dataclass
 class LoadedModel:
     spec: ModelSpec
-    model: object  # transformers PreTrainedModel
-    tokenizer: object  # transformers PreTrainedTokenizerBase
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
     token_budget: int = 0  # tokens of keys and values its engine may hold
     chunk_tokens: int = 0  # prompt tokens its engine computes per step
 
@@ -44,13 +48,13 @@ class LoadedModel:
 
 
 @functools.cache
-def load_tokenizer(spec: ModelSpec) -> object:
+def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(weights_folder(spec))
 
 
-def derived_budget(spec: ModelSpec, config: object, token_bytes: int, dtype_bytes: int,
+def derived_budget(spec: ModelSpec, config: PretrainedConfig, token_bytes: int, dtype_bytes: int,
                    free: int, total: int, chunk_tokens: int) -> int:  # fmt: skip
     """A GPU's token budget: what ``gpu_memory_fraction`` of the device leaves
     once the weights are loaded (``free`` counts them out already), less the

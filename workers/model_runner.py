@@ -28,15 +28,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import xgrammar as xgr
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from .scheduler import Adopt, Chunk, Evict, Release, StepPlan
+from .scheduler import Adopt, Chunk, Evict, Release, Request, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,8 @@ log = logging.getLogger(__name__)
 # copied n / GROW_TOKENS times, and holds at most this many tokens unused.
 GROW_TOKENS = 256
 
-KERNELS: dict[str, Callable] = {"sdpa": sdpa_attention_forward, "eager": eager_attention_forward}
+Kernel = Callable[..., tuple[torch.Tensor, Any]]
+KERNELS: dict[str, Kernel] = {"sdpa": sdpa_attention_forward, "eager": eager_attention_forward}
 _MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}
 # Given to the model as its attention mask in the engine's own calls: an
 # already prepared (4D) mask is taken as it is, so the model builds none of
@@ -52,14 +54,16 @@ _MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}
 _ROWS_MASK_THEMSELVES = torch.ones((1, 1, 1, 1), dtype=torch.bool)
 
 
-def head_dim(config: object) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+def head_dim(config: PretrainedConfig) -> int:
+    return int(
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
 
 
-def kv_bytes_per_token(config: object, dtype_bytes: int) -> int:
+def kv_bytes_per_token(config: PretrainedConfig, dtype_bytes: int) -> int:
     """Bytes of keys and values one token holds, all layers together."""
-    per_layer = 2 * config.num_key_value_heads * head_dim(config) * dtype_bytes
-    return config.num_hidden_layers * per_layer
+    per_layer = 2 * int(config.num_key_value_heads) * head_dim(config) * dtype_bytes
+    return int(config.num_hidden_layers) * per_layer
 
 
 def attention_implementation(kernel: str) -> str:
@@ -79,7 +83,7 @@ class KV:
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2]
+        return int(self.keys.shape[2])
 
 
 class KVStore:
@@ -126,15 +130,15 @@ class KVStore:
             kv.keys[:, :, : op.tokens] = entry.keys[:, :, : op.tokens]
             kv.values[:, :, : op.tokens] = entry.values[:, :, : op.tokens]
         elif isinstance(op, Release):
-            kv = self.requests.pop(op.request_id, None)
-            if op.entry_id is not None and kv is not None:
-                self.entries[op.entry_id] = kv
-            elif kv is not None:
-                self.allocated_tokens -= kv.capacity
+            released = self.requests.pop(op.request_id, None)
+            if op.entry_id is not None and released is not None:
+                self.entries[op.entry_id] = released
+            elif released is not None:
+                self.allocated_tokens -= released.capacity
         else:
-            kv = self.entries.pop(op.entry_id, None)
-            if kv is not None:
-                self.allocated_tokens -= kv.capacity
+            evicted = self.entries.pop(op.entry_id, None)
+            if evicted is not None:
+                self.allocated_tokens -= evicted.capacity
 
 
 @dataclass(frozen=True)
@@ -156,10 +160,10 @@ def _attention(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     *,
-    kernel: Callable,
+    kernel: Kernel,
     lmsp_rows: Sequence[_Row] | None = None,
-    **kwargs: object,
-) -> tuple[torch.Tensor, None]:
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
     """The model's attention in an engine step: each row's new keys and values
     stored, then its queries attend over its own tokens. Called without rows
     (a plain ``model(...)`` or ``generate``), it is the kernel itself."""
@@ -186,7 +190,7 @@ def _attention(
 def _register() -> None:
     for name, kernel in KERNELS.items():
 
-        def attention(*args: object, kernel: Callable = kernel, **kwargs: object) -> tuple:
+        def attention(*args: Any, kernel: Kernel = kernel, **kwargs: Any) -> tuple[Any, Any]:
             return _attention(*args, kernel=kernel, **kwargs)
 
         AttentionInterface.register(f"lmsp_{name}", attention)
@@ -204,6 +208,12 @@ class RowSampling:
     grammar: xgr.CompiledGrammar | None = None
     generated_ids: Sequence[int] = ()  # tokens of earlier attempts, for the matcher
     matcher: xgr.GrammarMatcher | None = field(default=None, repr=False)
+
+
+def row_sampling(request: Request) -> RowSampling:
+    """A request's sampling settings (its ``payload``: the engine puts them there)."""
+    assert isinstance(request.payload, RowSampling)
+    return request.payload
 
 
 @dataclass
@@ -242,7 +252,10 @@ class ModelRunner:
         if not chunks:
             return StepResult({}, failed)
         sampling = [chunk for chunk in chunks if chunk.sample]
-        rows, ids, positions, last = [], [], [], []
+        rows: list[_Row] = []
+        ids: list[int] = []
+        positions: list[int] = []
+        last: list[int] = []
         for chunk in chunks:
             begin = len(ids)
             ids += chunk.token_ids
@@ -263,11 +276,11 @@ class ModelRunner:
         )
         if not sampling:
             return StepResult({}, failed)
-        token_ids = self._choose(output.logits[0], [c.request.payload for c in sampling])
+        token_ids = self._choose(output.logits[0], [row_sampling(c.request) for c in sampling])
         sampled = {}
         for chunk, token_id in zip(sampling, token_ids, strict=True):
             request = chunk.request
-            matcher = request.payload.matcher
+            matcher = row_sampling(request).matcher
             if (
                 matcher is not None
                 and token_id not in request.eos_token_ids
@@ -298,7 +311,7 @@ class ModelRunner:
         """A grammar matcher, advanced through the tokens generated before, for
         a request's first chunk; False (and ``failed``) when those tokens
         break its grammar."""
-        sampling: RowSampling = chunk.request.payload
+        sampling = row_sampling(chunk.request)
         if sampling.grammar is None or sampling.matcher is not None:
             return True
         # The stop tokens are this request's end tokens, so a completed grammar
@@ -334,10 +347,13 @@ class ModelRunner:
             )
         greedy = logits.argmax(dim=-1)
         temperatures = [row.temperature for row in rows]
+        chosen: list[int]
         if all(t <= 0 for t in temperatures):
-            return greedy.tolist()
+            chosen = greedy.tolist()
+            return chosen
         scale = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=logits.device)
         probabilities = torch.softmax(logits / scale.unsqueeze(1), dim=-1)
         sampled = torch.multinomial(probabilities, num_samples=1).squeeze(1)
         is_greedy = torch.tensor([t <= 0 for t in temperatures], device=logits.device)
-        return torch.where(is_greedy, greedy, sampled).tolist()
+        chosen = torch.where(is_greedy, greedy, sampled).tolist()
+        return chosen

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db import connection
@@ -101,7 +102,7 @@ class GenerationRun:
             self.response.id, self.params, self.spec
         )
         self.offsets = restored.detokenizer
-        self.pending: list[tuple[str, dict]] = []
+        self.pending: list[tuple[str, dict[str, Any]]] = []
         self.events_flushed = False  # by this attempt
         # Read under the claim's lock: a cancel before the start needs no flush.
         # Else "lost" (the task was handed on) or "preempted" (the engine
@@ -257,7 +258,7 @@ class GenerationRun:
         elif progress.cancel_requested:
             self.stop = "cancelled"
 
-    def _usage(self) -> dict:
+    def _usage(self) -> dict[str, Any]:
         generated = len(self.token_ids) + (1 if self.ended_by_model else 0)
         return protocol.usage(self.response.input_tokens, generated)
 
@@ -290,14 +291,14 @@ class GenerationRun:
         )
 
     @staticmethod
-    def fail_unstarted(task: Task, error: dict) -> str | None:
+    def fail_unstarted(task: Task, error: dict[str, Any]) -> str | None:
         """Fail a claimed task before any generation (nothing to keep)."""
         events = [protocol.failed_event(task.response_id, error)]
         outcome = lifecycle.Outcome(status=Status.FAILED, error=error)
         ok = lifecycle.finish(task.id, task.attempt, events, outcome)
         return Status.FAILED if ok else None
 
-    def fail(self, error: dict) -> str | None:
+    def fail(self, error: dict[str, Any]) -> str | None:
         events = self.pending + self.assembler.close()
         events.append(protocol.failed_event(self.response.id, error))
         outcome = lifecycle.Outcome(

@@ -481,7 +481,8 @@ class Scheduler:
     def _room_for(self, need: int, keep: int | None = None) -> bool:
         """Whether ``need`` more tokens fit, evicting cache entries (all but
         ``keep``) for them; evicts nothing when they would not fit anyway."""
-        evictable = self.cached_tokens - (self.cache.size_of(keep) if keep is not None else 0)
+        kept = self.cache.size_of(keep) if self.cache is not None and keep is not None else 0
+        evictable = self.cached_tokens - kept
         if self.held_tokens - evictable + need > self.token_budget:
             return False
         while self.held_tokens + need > self.token_budget:

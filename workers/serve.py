@@ -18,7 +18,7 @@ def main() -> None:
 
     django.setup()
     from generation.registry import served_models
-    from lmsp_project.celery import app
+    from lmsp_core.celery_app import app
 
     from .runner import worker_name
 

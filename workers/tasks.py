@@ -1,12 +1,13 @@
 """Celery jobs: short shells around plain functions tested without Celery."""
 
+from typing import Any
+
 from celery import shared_task
 from celery.signals import worker_ready, worker_shutdown
 
-from generation import heartbeat
 from ops_app import recorders
 from responses_app.retention import prune_history
-from tasks_app import lifecycle
+from tasks_app import heartbeat, lifecycle
 
 from . import runner
 
@@ -17,7 +18,7 @@ def run_task(task_id: str, model: str | None = None, preferred: bool = False) ->
 
 
 @shared_task(name="workers.tasks.sweep_tasks")
-def sweep_tasks() -> dict:
+def sweep_tasks() -> dict[str, Any]:
     report = lifecycle.sweep()
     recorders.job_succeeded("sweep_tasks")  # the admin and /metrics flag a stale sweeper
     return {
@@ -40,7 +41,7 @@ _heartbeat: heartbeat.Heartbeat | None = None
 
 
 @worker_ready.connect
-def serve_models(sender: object, **_: object) -> None:
+def serve_models(sender: Any, **_: object) -> None:  # celery's WorkController
     """Load the models whose queues this worker consumes and start their
     batching engines before the first job, then tell the admin it serves them
     (the ops worker consumes none).

@@ -29,7 +29,7 @@ DRAIN_AT_MOST_EVERY_SECONDS = 1.0
 class DatabaseWrapper(base.DatabaseWrapper):
     @property
     def pool(self) -> ConnectionPool | None:
-        pool = super().pool
+        pool = super().pool  # type: ignore[misc]  # django-stubs has no DatabaseWrapper.pool
         # Django passes its check when it creates the pool (CONN_HEALTH_CHECKS);
         # psycopg_pool keeps it in ``_check``, wrapped here once.
         if pool is not None and pool._check is not None:

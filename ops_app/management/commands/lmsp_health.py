@@ -13,8 +13,8 @@ import socket
 import redis
 from django.core.management.base import BaseCommand, CommandError
 
-from generation import heartbeat
 from ops_app import jobs
+from tasks_app import heartbeat
 
 
 def worker_alive(host: str) -> bool:

@@ -1,4 +1,6 @@
-"""Which workers serve which model, as the admin's model page shows it.
+"""Which workers serve which model: for the admin's model page and
+``/metrics`` (``ops_app``), and for sending a conversation's next turn to the
+worker that holds it (``routing``).
 
 A model worker writes one Redis key per model it serves, every
 ``INTERVAL_SECONDS``, with a time to live of a few intervals: a worker that
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from lmsp_project.redis_client import redis_client
+from lmsp_core.redis_client import redis_client
 
 log = logging.getLogger(__name__)
 
