@@ -114,7 +114,7 @@ TRANSITIONS: dict[str, Transition] = {
     ),
     "lifecycle.hand_back": _t(
         {IN_PROGRESS},
-        {QUEUED},
+        {IN_PROGRESS, QUEUED},  # its last flush, then the queue, in one transaction
         {*FLUSHED_FIELDS, *QUEUED_AGAIN_FIELDS, "handed_back"},
         ("lifecycle.FLUSH_SQL", "lifecycle._queue_again"),
         "a worker gives its running task back (its engine needed the memory, or it drains): "
@@ -122,7 +122,7 @@ TRANSITIONS: dict[str, Transition] = {
     ),
     "lifecycle.hand_back (cancelled meanwhile)": _t(
         {IN_PROGRESS},
-        {Status.CANCELLED.value},
+        {IN_PROGRESS, Status.CANCELLED.value},  # its last flush, then the end
         FLUSHED_FIELDS | CLOSED_FIELDS,
         ("lifecycle.FLUSH_SQL", "lifecycle._finalize"),
         "a task handed back after a cancel was asked ends cancelled instead",

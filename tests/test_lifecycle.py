@@ -372,7 +372,7 @@ def checkpoint_of(task: Task, tokens: int) -> dict:
     }
 
 
-def test_a_follow_up_is_sent_to_the_worker_that_ran_the_turn_before_while_it_has_room():
+def test_a_follow_up_is_sent_to_the_worker_that_ran_the_turn_before_while_it_has_room(broker):
     from tasks_app import heartbeat, routing
 
     first = new_task(store=True)
