@@ -55,9 +55,12 @@ def _text(parts: list[dict]) -> str:
 
 
 def _arguments(item: dict) -> object:
+    """A call's arguments as JSON when they are JSON, else the text sent (a
+    model's call may be cut short); nested past the parser's recursion limit
+    (``[[[...`` a megabyte deep) they are text as well."""
     try:
         return json.loads(item["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):
         return item["arguments"]
 
 

@@ -64,6 +64,18 @@ class StrictListField(serializers.ListField):
                 )
         return super().to_internal_value(data)
 
+    def run_child_validation(self, data: list) -> list:
+        """The members validated, up to the first that fails: only the first
+        error is reported (``validation_problem``), and DRF's collecting one
+        per member cost seconds for a list of thousands that all fail."""
+        validated = []
+        for index, member in enumerate(data):
+            try:
+                validated.append(self.child.run_validation(member))
+            except serializers.ValidationError as exc:
+                raise serializers.ValidationError({index: exc.detail}) from exc
+        return validated
+
 
 class JSONObjectField(serializers.JSONField):
     def to_internal_value(self, data: object) -> dict:
