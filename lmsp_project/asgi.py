@@ -22,6 +22,7 @@ django_application = get_asgi_application()
 
 from django.conf import settings  # noqa: E402
 
+from generation.tokens import import_renderer  # noqa: E402
 from lmsp_core.asgi import BoundedBody  # noqa: E402 - needs the settings configured
 from lmsp_core.lean import LeanViews  # noqa: E402
 from openai_app import views as openai_views  # noqa: E402
@@ -38,6 +39,9 @@ LEAN_VIEWS = {
     openai_views.create_response: "POST",  # /v1/responses
     openai_views.chat_completions: "POST",  # /v1/chat/completions
 }
+
+# Imported now, not in the first request that renders a prompt (seconds).
+import_renderer()
 
 bounded = BoundedBody(django_application, shapes={"/v1/": error_body})
 application = (

@@ -73,13 +73,14 @@ def prepare_generation(
     context = (conversation_items(previous) if previous else []) + request["input"]
     tokenizer = prompt_tokenizer(spec)
     prompt = render_prompt(spec, tokenizer, context, params)
-    input_tokens = tokenizer.count(prompt)
+    # Counted only as far as the window: past it, the prompt is not encoded further.
+    input_tokens = tokenizer.count(prompt, limit=spec.context_window - 1)
     room = spec.context_window - input_tokens
     if room <= 0:
         raise ProblemError(
             "context_length_exceeded",
-            f"The input is {input_tokens} tokens; {spec.id!r} has a context window of "
-            f"{spec.context_window}, with room needed for the answer.",
+            f"The input is {spec.context_window} tokens or more; {spec.id!r} has a context "
+            f"window of {spec.context_window}, with room needed for the answer.",
             param=at("input"),
         )
     # Compiling the grammar is the costly check: only for a request that fits.
