@@ -166,10 +166,15 @@ LMSP_STREAM_CHECK_SECONDS = env_float("LMSP_STREAM_CHECK_SECONDS", 15.0)
 # the database in pages of LMSP_STREAM_PAGE_EVENTS.
 LMSP_STREAM_WINDOW_EVENTS = env_int("LMSP_STREAM_WINDOW_EVENTS", 2048)
 LMSP_STREAM_PAGE_EVENTS = env_int("LMSP_STREAM_PAGE_EVENTS", 500)
-# Open event streams one web process serves, in all and per token; beyond
-# either, GET /tasks/{id}/events is answered 503 overloaded with Retry-After.
+# Open event streams one web process serves, in all, per token and per owner
+# (all its tokens); beyond any, a new stream is answered 503 overloaded with
+# Retry-After. Streams that follow a task (GET /lmsp/v1/tasks/{id}/events,
+# GET /v1/responses/{id}?stream=true) count, and so do replays of idempotent
+# direct responses; a direct response's own answer does not (the model's
+# queue and the owner's quotas bound those).
 LMSP_MAX_STREAMS_PER_PROCESS = env_int("LMSP_MAX_STREAMS_PER_PROCESS", 20_000)
 LMSP_MAX_STREAMS_PER_TOKEN = env_int("LMSP_MAX_STREAMS_PER_TOKEN", 1_000)
+LMSP_MAX_STREAMS_PER_OWNER = env_int("LMSP_MAX_STREAMS_PER_OWNER", 2_000)
 LMSP_STREAM_RETRY_AFTER_SECONDS = env_int("LMSP_STREAM_RETRY_AFTER_SECONDS", 5)
 # Event streams that follow a task (GET /lmsp/v1/tasks/{id}/events, GET
 # /v1/responses/{id}) and direct responses (POST /lmsp/v1/responses, /v1/responses,

@@ -33,7 +33,7 @@ from tasks_app import event_reader, idempotency
 from tasks_app import services as task_services
 from tasks_app.event_log import StoredEvent
 from tasks_app.models import Task, TaskKind
-from tasks_app.streams import SSE_HEADERS, follow_events
+from tasks_app.streams import SSE_HEADERS, admit, admitted, follow_events
 
 from . import chat, responses
 from .errors import ParamMap, named_as_sent, openai_view
@@ -68,8 +68,14 @@ def _failed(result: dict) -> ProblemError:
     return ProblemError(error["code"], error["detail"])
 
 
-def _event_stream(frames: AsyncIterator[bytes]) -> StreamingHttpResponse:
-    return StreamingHttpResponse(frames, content_type="text/event-stream", headers=SSE_HEADERS)
+def _event_stream(
+    frames: AsyncIterator[bytes], release: Callable[[], None]
+) -> StreamingHttpResponse:
+    """A stream that holds a place under the stream caps (``release``: what
+    gave it, called when the stream ends or is dropped)."""
+    return StreamingHttpResponse(
+        admitted(frames, release), content_type="text/event-stream", headers=SSE_HEADERS
+    )
 
 
 def _data_frame(data: dict | str) -> bytes:
@@ -113,6 +119,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     task = await _submitted(
         token.owner, validated, TaskKind.DIRECT, key, translated.param_of, translated.stream
     )
+    release = direct.admit_replay(task, token)
     if translated.stream:
         chunks = chat.ChunkTranslator(
             task.response_id,
@@ -120,19 +127,20 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
             validated["model"],
             translated.include_usage,
         )
-        return _event_stream(_chat_frames(task, direct.cancels_if_left(key, True), chunks))
-    result = await direct.final_result(task, direct.cancels_if_left(key, False))
+        events = direct.delivered_events(task, direct.cancels_if_left(key, True), release)
+        return _event_stream(_chat_frames(events, chunks), release)
+    result = await direct.final_result(task, direct.cancels_if_left(key, False), release)
     if result["status"] == "failed":
         raise _failed(result)
     return JsonResponse(chat.completion(result))
 
 
 async def _chat_frames(
-    task: Task, cancel_if_left: bool, chunks: chat.ChunkTranslator
+    events: AsyncIterator[StoredEvent | None], chunks: chat.ChunkTranslator
 ) -> AsyncIterator[bytes]:
     failed = False
-    async with aclosing(direct.delivered_events(task, cancel_if_left)) as events:
-        async for event in events:
+    async with aclosing(events) as delivered:
+        async for event in delivered:
             if event is None:
                 yield KEEPALIVE_FRAME
                 continue
@@ -204,17 +212,19 @@ async def create_response(request: HttpRequest) -> HttpResponse:
     )
     if translated.stream:
         translator = await db_call(_translator, task.id)
+        release = direct.admit_replay(task, token)
         events = (
-            follow_events(task.id, 0)
+            follow_events(task.id, 0, release=release)
             if translated.background
-            else direct.delivered_events(task, direct.cancels_if_left(key, True))
+            else direct.delivered_events(task, direct.cancels_if_left(key, True), release)
         )
-        return _event_stream(_response_frames(events, translator))
+        return _event_stream(_response_frames(events, translator), release)
     if translated.background:
         return JsonResponse(await db_call(_openai_response, task.id))
     # read before the answer is delivered: a store: false response is then gone
     _, params, _, _ = await db_call(_snapshot, task.id)
-    result = await direct.final_result(task, direct.cancels_if_left(key, False))
+    release = direct.admit_replay(task, token)
+    result = await direct.final_result(task, direct.cancels_if_left(key, False), release)
     if result["status"] == "failed":
         raise _failed(result)
     return JsonResponse(responses.response_object(result, params, background=False))
@@ -298,7 +308,9 @@ async def response_detail(request: HttpRequest, response_id: str) -> HttpRespons
             "without stream=true.",
         )
     translator = await db_call(_translator, task.id)
-    return _event_stream(_response_frames(follow_events(task.id, 0), translator, after))
+    release = admit(token.pk, token.owner_id)
+    events = follow_events(task.id, 0, release=release)
+    return _event_stream(_response_frames(events, translator, after), release)
 
 
 @openai_view("POST")

@@ -6,7 +6,8 @@ client goes away before the answer is delivered, the generation is cancelled
 of an idempotent request never cancels (the first request owns the
 generation), nor does a keyed synchronous request, whose retry with the same
 key is to get the answer. Once delivered, a ``store: false`` answer is
-discarded. Every endpoint
+discarded. A replay holds a place under the stream caps while it waits
+(``admit_replay``). Every endpoint
 that answers directly (LMSP's ``POST /responses`` and the OpenAI-compatible
 routes) goes through these functions, whatever shape it sends.
 """
@@ -15,17 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 
 from django.db import DatabaseError
 
+from accounts_app.models import ApiToken
 from lmsp_core import protocol
 from lmsp_core.http import db_call
 from tasks_app import services as task_services
 from tasks_app.event_log import StoredEvent
 from tasks_app.models import Task
-from tasks_app.streams import follow_events
+from tasks_app.streams import admit, follow_events
 
 from . import records
 
@@ -63,10 +65,29 @@ def _leaving(task: Task, cancel_if_left: bool) -> bool:
     return cancel_if_left and not getattr(task, "replayed", False)
 
 
-def _events(task: Task) -> AsyncIterator[StoredEvent | None]:
+def _nothing_held() -> None:
+    pass
+
+
+def admit_replay(task: Task, token: ApiToken) -> Callable[[], None]:
+    """The release of the place a replay holds under the stream caps while it
+    waits for the answer (``tasks_app.streams.admit``: ``503 overloaded``
+    past them): it follows a generation its first request started and
+    answers for, as a follower of a task does, and nothing else bounds how
+    many wait at once. A first request's answer holds none: the model's queue
+    and the owner's quotas bound those."""
+    if getattr(task, "replayed", False):
+        return admit(token.pk, token.owner_id)
+    return _nothing_held
+
+
+def _events(
+    task: Task, release: Callable[[], None] | None = None
+) -> AsyncIterator[StoredEvent | None]:
     """The task's events from the first; those it was created with come from
-    the request that created it (a replay's task was read back, without them)."""
-    return follow_events(task.id, 0, getattr(task, "events_at_creation", ()))
+    the request that created it (a replay's task was read back, without them).
+    ``release`` is called once they end (``admit_replay``)."""
+    return follow_events(task.id, 0, getattr(task, "events_at_creation", ()), release)
 
 
 def _delivered_result(task_id: str) -> dict:
@@ -76,12 +97,14 @@ def _delivered_result(task_id: str) -> dict:
     return body
 
 
-async def final_result(task: Task, cancel_if_left: bool) -> dict:
+async def final_result(
+    task: Task, cancel_if_left: bool, release: Callable[[], None] | None = None
+) -> dict:
     """Wait for the end of a direct generation and return its response object
     (LMSP's shape, whatever its status); cancel it if the client leaves first
-    (``cancel_if_left``, and not a replay)."""
+    (``cancel_if_left``, and not a replay). ``release``: see ``admit_replay``."""
     try:
-        async with aclosing(_events(task)) as events:
+        async with aclosing(_events(task, release)) as events:
             async for _ in events:
                 pass
     except asyncio.CancelledError:
@@ -91,14 +114,16 @@ async def final_result(task: Task, cancel_if_left: bool) -> dict:
     return await db_call(_delivered_result, task.id)
 
 
-async def delivered_events(task: Task, cancel_if_left: bool) -> AsyncIterator[StoredEvent | None]:
+async def delivered_events(
+    task: Task, cancel_if_left: bool, release: Callable[[], None] | None = None
+) -> AsyncIterator[StoredEvent | None]:
     """The events of a direct generation from the first (``None``: time for a
     keep-alive); the generation is cancelled if the stream is not read to the
     end (``cancel_if_left``, and not a replay), and the answer discarded once
-    it is, unless it was stored."""
+    it is, unless it was stored. ``release``: see ``admit_replay``."""
     delivered = client_gone = False
     try:
-        async with aclosing(_events(task)) as events:
+        async with aclosing(_events(task, release)) as events:
             async for event in events:
                 yield event
         delivered = True

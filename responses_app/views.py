@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
@@ -14,8 +15,9 @@ from lmsp_core import protocol
 from lmsp_core.errors import ProblemError
 from lmsp_core.http import check_method, cpu_call, csrf_free, db_call, json_body
 from tasks_app import event_reader, idempotency
-from tasks_app.models import Task, TaskKind
-from tasks_app.streams import SSE_HEADERS, lmsp_frame
+from tasks_app.event_log import StoredEvent
+from tasks_app.models import TaskKind
+from tasks_app.streams import SSE_HEADERS, admitted, lmsp_frame
 
 from . import direct
 from .selectors import stored_response
@@ -68,11 +70,14 @@ async def create_response(request: HttpRequest) -> HttpResponse:
     task = await direct.accepted(
         db_call(submit, token.owner, body, kind=TaskKind.DIRECT, idempotency_key=key), leave
     )
+    release = direct.admit_replay(task, token)
     if body["stream"]:
         return StreamingHttpResponse(
-            _direct_stream(task, leave), content_type="text/event-stream", headers=SSE_HEADERS
+            admitted(_direct_stream(direct.delivered_events(task, leave, release)), release),
+            content_type="text/event-stream",
+            headers=SSE_HEADERS,
         )
-    return _final_answer(await direct.final_result(task, leave))
+    return _final_answer(await direct.final_result(task, leave, release))
 
 
 def _validated_body(request: HttpRequest) -> dict:
@@ -81,7 +86,7 @@ def _validated_body(request: HttpRequest) -> dict:
     return validate_response_request(json_body(request))
 
 
-async def _direct_stream(task: Task, cancel_if_left: bool):  # noqa: ANN202
-    async with aclosing(direct.delivered_events(task, cancel_if_left)) as events:
-        async for event in events:
+async def _direct_stream(events: AsyncIterator[StoredEvent | None]) -> AsyncIterator[bytes]:
+    async with aclosing(events) as delivered:
+        async for event in delivered:
             yield lmsp_frame(event)

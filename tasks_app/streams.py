@@ -426,14 +426,24 @@ def lmsp_frame(event: StoredEvent | None) -> bytes:
     return KEEPALIVE_FRAME if event is None else sse_frame(event.id, event.event, event.data)
 
 
-async def follow_events(
-    task_id: str, after: int, known: Sequence[StoredEvent] = ()
+def follow_events(
+    task_id: str,
+    after: int,
+    known: Sequence[StoredEvent] = (),
+    release: Callable[[], None] | None = None,
 ) -> AsyncIterator[StoredEvent | None]:
     """The events ``follow`` sends, one by one (``None``: time for a keep-alive),
     for readers that speak another stream format than LMSP's. ``known``: the
-    events of a task this process has just created (``TaskFeed.seed``)."""
-    async with aclosing(_deliveries(task_id, after, True, known=known)) as deliveries:
-        async for delivery in deliveries:
+    events of a task this process has just created (``TaskFeed.seed``);
+    ``release``: the stream's admission (``admit``), given back when it ends."""
+    return _one_by_one(admitted(_deliveries(task_id, after, True, release, known), release))
+
+
+async def _one_by_one(
+    deliveries: AsyncIterator[tuple[bytes, list[StoredEvent]] | bytes],
+) -> AsyncIterator[StoredEvent | None]:
+    async with aclosing(deliveries) as delivered:
+        async for delivery in delivered:
             if isinstance(delivery, bytes):
                 yield None
                 continue
@@ -536,14 +546,16 @@ def _park_request_thread() -> None:
 
 _open_streams = 0
 _open_by_token: dict[object, int] = {}
+_open_by_owner: dict[object, int] = {}
 
 
-def admit(token_key: object) -> Callable[[], None]:
-    """Count a new stream against this process's caps, or refuse it with
-    ``503 overloaded`` and ``Retry-After``. Returns the release function
-    (safe to call more than once)."""
+def admit(token_key: object, owner_key: object) -> Callable[[], None]:
+    """Count a new stream against this process's caps (in all, per token, per
+    owner), or refuse it with ``503 overloaded`` and ``Retry-After``. Returns
+    the release function (safe to call more than once)."""
     global _open_streams
     per_token = _open_by_token.get(token_key, 0)
+    per_owner = _open_by_owner.get(owner_key, 0)
     if _open_streams >= settings.LMSP_MAX_STREAMS_PER_PROCESS:
         raise _overloaded(
             f"This server process already serves {_open_streams} event streams; "
@@ -554,8 +566,14 @@ def admit(token_key: object) -> Callable[[], None]:
             f"This token already has {per_token} open event streams here "
             f"(at most {settings.LMSP_MAX_STREAMS_PER_TOKEN}); close one or retry later."
         )
+    if per_owner >= settings.LMSP_MAX_STREAMS_PER_OWNER:
+        raise _overloaded(
+            f"Your tokens already have {per_owner} open event streams here "
+            f"(at most {settings.LMSP_MAX_STREAMS_PER_OWNER}); close one or retry later."
+        )
     _open_streams += 1
     _open_by_token[token_key] = per_token + 1
+    _open_by_owner[owner_key] = per_owner + 1
     released = False
 
     def release() -> None:
@@ -565,13 +583,18 @@ def admit(token_key: object) -> Callable[[], None]:
             return
         released = True
         _open_streams -= 1
-        left = _open_by_token.get(token_key, 1) - 1
-        if left > 0:
-            _open_by_token[token_key] = left
-        else:
-            _open_by_token.pop(token_key, None)
+        _count_down(_open_by_token, token_key)
+        _count_down(_open_by_owner, owner_key)
 
     return release
+
+
+def _count_down(counts: dict[object, int], key: object) -> None:
+    left = counts.get(key, 1) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
 
 
 def _overloaded(detail: str) -> ProblemError:
@@ -580,10 +603,16 @@ def _overloaded(detail: str) -> ProblemError:
 
 
 def admitted_stream(task_id: str, after: int, release: Callable[[], None]) -> AsyncIterator[bytes]:
-    """``follow`` that gives its admission back when it ends, or when it is
-    dropped before it ever started (a client gone before the first byte)."""
-    stream = _deliveries(task_id, after, with_events=False, release=release)
-    weakref.finalize(stream, release)
+    """``follow`` that gives its admission back when it ends."""
+    return admitted(_deliveries(task_id, after, with_events=False, release=release), release)
+
+
+def admitted(stream: AsyncIterator, release: Callable[[], None] | None) -> AsyncIterator:
+    """``stream`` (which calls ``release`` when it ends, or holds what does),
+    made to give the admission back as well when it is dropped before it
+    ever started (a client gone before the first byte)."""
+    if release is not None:
+        weakref.finalize(stream, release)
     return stream
 
 

@@ -127,7 +127,7 @@ async def task_events(request: HttpRequest, task_id: str) -> HttpResponse:
             task_status=task.status,
             task_url=f"/lmsp/v1/tasks/{task.id}",
         )
-    release = admit(token.pk)
+    release = admit(token.pk, token.owner_id)
     return StreamingHttpResponse(
         admitted_stream(task.id, after, release),
         content_type="text/event-stream",
