@@ -20,9 +20,14 @@ BUILTIN_SECRET_KEY = "dev-only-insecure-key-change-me"
 SECRET_KEY = os.environ.get("LMSP_SECRET_KEY", BUILTIN_SECRET_KEY)
 DEBUG = env_bool("LMSP_DEBUG", False)
 # A development run may use the built-in key; anything else must bring its own
-# (sessions, admin, CSRF). Running on this checkout's embedded services (no
-# DATABASE_URL) is one; LMSP_DEVELOPMENT=1 says so against an outside database.
-LMSP_DEVELOPMENT = env_bool("LMSP_DEVELOPMENT", False) or not os.environ.get("DATABASE_URL")
+# (sessions, admin, CSRF). Only LMSP_DEVELOPMENT=1 says a run is one: set by
+# scripts/serve, scripts/test, manage.py on the embedded PostgreSQL, and
+# recorded by scripts/serve for the commands that join its embedded services.
+# (A missing DATABASE_URL once counted too, and a server with a PostgreSQL on
+# the default address then ran with the key everyone knows.)
+LMSP_DEVELOPMENT = env_bool("LMSP_DEVELOPMENT", False) or (
+    not os.environ.get("DATABASE_URL") and _RUNNING.get("LMSP_DEVELOPMENT") == "1"
+)
 check_secret_key(SECRET_KEY, BUILTIN_SECRET_KEY, debug=DEBUG, development=LMSP_DEVELOPMENT)
 ALLOWED_HOSTS = os.environ.get("LMSP_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver").split(",")
 

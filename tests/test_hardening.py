@@ -249,13 +249,24 @@ def django_setup(*drop: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_the_built_in_secret_key_is_refused_outside_development():
+def test_the_built_in_secret_key_is_refused_outside_development(tmp_path):
     refused = django_setup()
     assert refused.returncode != 0 and "LMSP_SECRET_KEY" in refused.stderr
     assert django_setup(LMSP_DEVELOPMENT="1").stdout.strip() == "started"
     assert django_setup(LMSP_SECRET_KEY="a-long-random-value").stdout.strip() == "started"
-    # without DATABASE_URL the run is on this checkout's embedded services: development
-    assert django_setup("DATABASE_URL").stdout.strip() == "started"
+    # Without DATABASE_URL a server may still reach a PostgreSQL on the default
+    # address: only LMSP_DEVELOPMENT=1 makes a run a development run (issue 29).
+    unset = ("DATABASE_URL", "REDIS_URL")
+    empty = tmp_path / "empty"
+    refused = django_setup(*unset, LMSP_DATA_DIR=str(empty))
+    assert refused.returncode != 0 and "LMSP_SECRET_KEY" in refused.stderr
+    # ... or the record of a running scripts/serve, which is one, for the
+    # commands that join its embedded services with nothing exported
+    record = {"DATABASE_URL": "postgresql://x@/lmsp", "REDIS_URL": "redis://x/0"}
+    (tmp_path / "services.json").write_text(
+        json.dumps({**record, "LMSP_DEVELOPMENT": "1", "pid": os.getpid()})
+    )
+    assert django_setup(*unset, LMSP_DATA_DIR=str(tmp_path)).stdout.strip() == "started"
 
 
 POOLED = """
