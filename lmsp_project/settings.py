@@ -4,7 +4,7 @@ import os
 from pathlib import Path
 
 from . import localservices
-from .env import check_secret_key, database_from_url, env_bool, env_float, env_int
+from .env import check_secret_key, database_from_url, env_bool, env_float, env_int, env_list
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("LMSP_DATA_DIR", BASE_DIR / ".data"))
@@ -29,7 +29,25 @@ LMSP_DEVELOPMENT = env_bool("LMSP_DEVELOPMENT", False) or (
     not os.environ.get("DATABASE_URL") and _RUNNING.get("LMSP_DEVELOPMENT") == "1"
 )
 check_secret_key(SECRET_KEY, BUILTIN_SECRET_KEY, debug=DEBUG, development=LMSP_DEVELOPMENT)
-ALLOWED_HOSTS = os.environ.get("LMSP_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver").split(",")
+ALLOWED_HOSTS = env_list("LMSP_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver")
+
+# --- behind a proxy that terminates TLS (README, "Operations") ----------------
+# Origins (scheme://host[:port]) whose forms the admin accepts besides its own
+# host's, such as the public https:// address of a proxy that forwards
+# another Host header.
+CSRF_TRUSTED_ORIGINS = env_list("LMSP_CSRF_TRUSTED_ORIGINS")
+# A proxy in front terminates TLS and sets X-Forwarded-Proto on every request
+# (overwriting any the client sent): a request it marks https is secure, so
+# that the admin's CSRF check expects https:// origins, and the session and
+# CSRF cookies are sent over https only. Never set without such a proxy:
+# any client could then claim https.
+LMSP_BEHIND_TLS_PROXY = env_bool("LMSP_BEHIND_TLS_PROXY", False)
+if LMSP_BEHIND_TLS_PROXY:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = True
+# Strict-Transport-Security on secure answers: browsers then use https only
+# for this long (seconds; 0: no header). Raise it once https works for good.
+SECURE_HSTS_SECONDS = env_int("LMSP_HSTS_SECONDS", 0)
 
 INSTALLED_APPS = [
     "django.contrib.admin",
