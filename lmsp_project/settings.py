@@ -71,6 +71,7 @@ MIDDLEWARE = [
     "lmsp_core.middleware.ProtocolMiddleware",
     "openai_app.middleware.OpenAIErrorMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    "lmsp_core.middleware.NulRefusalMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",

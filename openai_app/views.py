@@ -24,7 +24,9 @@ from generation.registry import available_models, get_model
 from lmsp_core import protocol
 from lmsp_core.errors import ProblemError
 from lmsp_core.http import cpu_call, db_call, json_body
+from lmsp_core.ids import is_valid_id
 from lmsp_core.protocol import KEEPALIVE_FRAME
+from lmsp_core.validation import integer_param
 from responses_app import direct
 from responses_app.models import Response
 from responses_app.serializers import validate_response_request
@@ -232,20 +234,21 @@ async def create_response(request: HttpRequest) -> HttpResponse:
 
 def _owned_response(owner: AbstractBaseUser, response_id: str) -> tuple[Response, Task | None]:
     """A response the owner can read back: a stored one or a background one
-    (whose task is kept until task retention). Anything else is 404."""
-    task = (
-        Task.objects.select_related("response")
-        .filter(response_id=response_id, owner=owner, kind=TaskKind.TASK)
-        .first()
-    )
-    if task is not None:
-        return task.response, task
-    response = Response.objects.filter(id=response_id, owner=owner, store=True).first()
-    if response is None:
-        raise ProblemError(
-            "response_not_found", f"No response with id {response_id!r}.", param="response_id"
+    (whose task is kept until task retention). Anything else is 404; an id
+    that cannot be a response's (NUL included) never reaches the database."""
+    if is_valid_id(response_id, "resp"):
+        task = (
+            Task.objects.select_related("response")
+            .filter(response_id=response_id, owner=owner, kind=TaskKind.TASK)
+            .first()
         )
-    return response, None
+        if task is not None:
+            return task.response, task
+        response = Response.objects.filter(id=response_id, owner=owner, store=True).first()
+        if response is not None:
+            return response, None
+    shown = response_id if len(response_id) <= 64 else response_id[:64] + "..."
+    raise ProblemError("response_not_found", f"No response with id {shown!r}.", param="response_id")
 
 
 def _readable(
@@ -261,14 +264,10 @@ async def _token(request: HttpRequest) -> ApiToken:
 
 
 def _starting_after(request: HttpRequest) -> int:
+    """``starting_after``: a sequence number in ASCII digits; absent or -1:
+    from the first event. (``str.isdigit`` once let ``²`` through to ``int``.)"""
     raw = request.GET.get("starting_after", "-1")
-    if not (raw.isdigit() or raw == "-1"):
-        raise ProblemError(
-            "invalid_request",
-            f"starting_after must be a non-negative integer, not {raw!r}.",
-            param="starting_after",
-        )
-    return int(raw)
+    return -1 if raw == "-1" else integer_param(raw, "starting_after", 0)
 
 
 @openai_view("GET")
