@@ -218,6 +218,12 @@ LMSP_IDEMPOTENCY_TAKEOVER_SECONDS = env_float("LMSP_IDEMPOTENCY_TAKEOVER_SECONDS
 # with these limits; a schema beyond them is refused (400 invalid_request).
 LMSP_GRAMMAR_TIMEOUT_SECONDS = env_float("LMSP_GRAMMAR_TIMEOUT_SECONDS", 5.0)
 LMSP_GRAMMAR_MEMORY_MB = env_int("LMSP_GRAMMAR_MEMORY_MB", 1024)
+# Compiles one web process runs at once (each a child of up to the memory
+# above); a request finding them all taken waits up to this long for one,
+# then is answered 503 overloaded. Keep the wait plus the timeout below
+# LMSP_IDEMPOTENCY_TAKEOVER_SECONDS.
+LMSP_GRAMMAR_CONCURRENCY = env_int("LMSP_GRAMMAR_CONCURRENCY", 2)
+LMSP_GRAMMAR_WAIT_SECONDS = env_float("LMSP_GRAMMAR_WAIT_SECONDS", 3.0)
 # Compiled grammars a worker keeps per model, and the bytes xgrammar's own
 # compiler cache may hold.
 LMSP_GRAMMAR_CACHE_ENTRIES = env_int("LMSP_GRAMMAR_CACHE_ENTRIES", 64)
