@@ -24,6 +24,7 @@ from generation.output import TOOL_OPEN, OutputAssembler
 from generation.params import GenerationParams
 from generation.registry import get_model
 from lmsp_core.errors import ProblemError
+from lmsp_core.jsonbody import loads_strict
 from lmsp_core.rows import as_record, from_row, inserted_columns
 from lmsp_core.status import Status
 from responses_app.models import Response
@@ -233,6 +234,34 @@ def test_revoke_needs_a_whole_prefix():
     call_command("lmsp_token", "revoke", prefix)
     with pytest.raises(ProblemError):
         authenticate_bearer(f"Bearer {issued.secret}")
+
+
+# --- request bodies -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        # escaped quotes and backslashes before the fault, brackets in strings
+        (r'{"a\"[": {"b": [1, "x\\", NaN]}}', 'a"[.b[2]'),
+        (r'{"k": "[[[[\\", "n": [0, {"m": 1e999}]}', "n[1].m"),
+        (r'{"a": [{"s\u0000": 1}]}', "a[0]"),  # a member name: its object
+        (r'{"s": ["\\ud83d", "\ud83d\ude00", "x\ud83d"]}', "s[2]"),
+        (r'{"a": {"b": 1}, "c": [[' + "[" * 70 + "]" * 72 + "}", "c" + "[0]" * 63),
+    ],
+)
+def test_a_body_fault_is_named_where_it_is(raw, param):
+    """``lmsp_core.jsonbody`` names the member at fault from the raw bytes,
+    escapes and brackets inside strings notwithstanding (LMSP_MAX_JSON_DEPTH
+    is 64)."""
+    with pytest.raises(ProblemError) as refused:
+        loads_strict(raw.encode())
+    assert refused.value.param == param, refused.value.detail
+
+
+def test_escapes_that_only_look_unstorable_are_accepted():
+    raw = r'{"s": "\\u0000 \ud83d\ude00", "t": "\\\"[{"}'
+    assert loads_strict(raw.encode()) == {"s": "\\u0000 \U0001f600", "t": '\\"[{'}
 
 
 # --- settings -----------------------------------------------------------------------
