@@ -181,6 +181,14 @@ class Stack:
             self.redis.kill()
             self.redis.wait(10)
 
+    def another_web(self, name: str, settings: dict[str, str]) -> tuple[Proc, int]:
+        """One more web process (not started yet) on the stack's database and
+        Redis, with ``settings`` over the stack's, on a port of its own."""
+        port = free_port()
+        argv = [*self.web.argv[:-5], "--host", "127.0.0.1", "--port", str(port), "--no-access-log"]
+        env = {**self.env, **settings}
+        return Proc(f"{name}-{port}", argv, env, ready="Application startup complete"), port
+
     def client(self, token: str, **kwargs: object) -> httpx.Client:
         options: dict = {"timeout": httpx.Timeout(120, connect=10), **kwargs}
         return httpx.Client(

@@ -26,7 +26,6 @@ from lmsp_core.lean import LeanViews
 from tasks_app.retention import prune_events
 
 from .conftest import make_token, request_body
-from .stack import Proc
 from .test_metrics import scrape, value
 from .test_tasks_e2e import create_task, wait_for
 
@@ -95,17 +94,9 @@ def test_the_service_serves_its_views_lean():
 @pytest.fixture(scope="module")
 def twins(stack):
     """(lean port, Django port): two more web processes with the same caps."""
-    from lmsp_project.devstack import free_port
-
     procs = []
     for lean in ("1", "0"):
-        port = free_port()
-        proc = Proc(
-            f"web-lean{lean}-{port}",
-            [*stack.web.argv[:-5], "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
-            {**stack.env, **CAPS, "LMSP_LEAN_STREAMS": lean},
-            ready="Application startup complete",
-        )
+        proc, port = stack.another_web(f"web-lean{lean}", {**CAPS, "LMSP_LEAN_STREAMS": lean})
         proc.start()
         procs.append((proc, port))
     yield procs[0][1], procs[1][1]

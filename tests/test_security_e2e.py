@@ -19,11 +19,9 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.utils import timezone
 
-from lmsp_project.devstack import free_port
 from tasks_app.models import OwnerQuota, Task, TaskKind, UsageRecord
 
 from .conftest import make_token, request_body
-from .stack import Proc
 from .test_hostile_input_e2e import _read_answer, tool
 from .test_streams_e2e import _raw_stream
 from .test_tasks_e2e import create_task
@@ -194,13 +192,8 @@ def capped(stack, restart_after):
     """A web process of its own with small caps (2 streams per token, 3 per
     owner), and no model worker: what is followed stays queued, its streams open."""
     stack.worker.stop()
-    port = free_port()
-    proc = Proc(
-        f"web-capped-owner-{port}",
-        [*stack.web.argv[:-5], "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
-        {**stack.env, "LMSP_MAX_STREAMS_PER_TOKEN": "2", "LMSP_MAX_STREAMS_PER_OWNER": "3"},
-        ready="Application startup complete",
-    )
+    caps = {"LMSP_MAX_STREAMS_PER_TOKEN": "2", "LMSP_MAX_STREAMS_PER_OWNER": "3"}
+    proc, port = stack.another_web("web-capped-owner", caps)
     proc.start()
     yield port
     proc.stop()
@@ -245,20 +238,7 @@ def test_openai_follower_streams_are_capped_per_token_and_per_owner(stack, token
 
 def _direct_stream(port: int, token: str, key: str) -> tuple[socket.socket, int, str]:
     body = json.dumps(request_body(stream=True, max_output_tokens=4)).encode()
-    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    head = (
-        f"POST /lmsp/v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}"
-        f"\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-        f"Idempotency-Key: {key}\r\n\r\n"
-    )
-    sock.sendall(head.encode() + body)
-    answer = b""
-    while b"\r\n\r\n" not in answer:
-        chunk = sock.recv(65536)
-        assert chunk, "connection closed before the answer"
-        answer += chunk
-    text = answer.decode("latin-1")
-    return sock, int(text.split(" ", 2)[1]), text
+    return _raw_stream(port, token, "/lmsp/v1/responses", body, f"Idempotency-Key: {key}\r\n")
 
 
 def test_replays_of_a_direct_stream_count_against_the_caps(stack, token, capped):
@@ -311,17 +291,13 @@ def _admin_login(port: int) -> tuple[httpx.Response, httpx.Response, httpx.Clien
 
 def test_the_admin_login_works_behind_a_tls_proxy(stack, transactional_db):
     get_user_model().objects.create_superuser("root", "root@example.org", "pw-29")
-    port = free_port()
-    proxied = Proc(
-        f"web-proxied-{port}",
-        [*stack.web.argv[:-5], "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
+    proxied, port = stack.another_web(
+        "web-proxied",
         {
-            **stack.env,
             "LMSP_BEHIND_TLS_PROXY": "1",
             "LMSP_CSRF_TRUSTED_ORIGINS": PUBLIC,
             "LMSP_HSTS_SECONDS": "3600",
         },
-        ready="Application startup complete",
     )
     proxied.start()
     try:
@@ -425,17 +401,13 @@ def test_a_web_process_runs_a_bounded_number_of_compiles_at_once(stack, token):
     """One compile at a time, a wait of 0.2 s for it: of three requests with
     schemas sent together, one is compiled (a compile against the tokenizer
     takes seconds here) and the others are refused with 503 and Retry-After."""
-    port = free_port()
-    bounded = Proc(
-        f"web-compiles-{port}",
-        [*stack.web.argv[:-5], "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
+    bounded, port = stack.another_web(
+        "web-compiles",
         {
-            **stack.env,
             "LMSP_GRAMMAR_CONCURRENCY": "1",
             "LMSP_GRAMMAR_WAIT_SECONDS": "0.2",
             "LMSP_GRAMMAR_TIMEOUT_SECONDS": "60",
         },
-        ready="Application startup complete",
     )
     answers: list[httpx.Response] = []
 

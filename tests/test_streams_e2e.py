@@ -27,7 +27,6 @@ from tasks_app.retention import prune_events
 from tasks_app.streams import follow_events
 
 from .conftest import LONG_STORY, make_token, parse_sse, request_body, user_message
-from .stack import Proc
 from .test_tasks_e2e import create_task, read_events, wait_for, wait_for_events
 
 pytestmark = pytest.mark.e2e
@@ -307,11 +306,19 @@ def _reader_waits_for_lock() -> bool:
         return cursor.fetchone()[0] > 0
 
 
-def _raw_stream(port: int, token: str, path: str) -> tuple[socket.socket, int, str]:
-    """An event stream held open on a plain socket: (socket, status, head)."""
+def _raw_stream(
+    port: int, token: str, path: str, body: bytes = b"", headers: str = ""
+) -> tuple[socket.socket, int, str]:
+    """An event stream held open on a plain socket: (socket, status, head).
+    With a ``body``, POSTed as JSON (``headers``: more header lines)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    method = "POST" if body else "GET"
+    if body:
+        headers += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
     sock.sendall(
-        f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n\r\n".encode()
+        f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
+        f"{headers}\r\n".encode()
+        + body
     )
     head = b""
     while b"\r\n\r\n" not in head:
@@ -323,18 +330,11 @@ def _raw_stream(port: int, token: str, path: str) -> tuple[socket.socket, int, s
 
 
 def test_stream_caps_answer_overloaded_problem_documents(api, stack, token, restart_after):
-    from lmsp_project.devstack import free_port
-
     stack.worker.stop()  # the task stays queued: its streams stay open
     task = create_task(api, max_output_tokens=4)
     path = f"/lmsp/v1/tasks/{task['id']}/events"
-    port = free_port()
-    capped = Proc(
-        f"web-capped-{port}",
-        [*stack.web.argv[:-5], "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
-        {**stack.env, "LMSP_MAX_STREAMS_PER_TOKEN": "2", "LMSP_MAX_STREAMS_PER_PROCESS": "3"},
-        ready="Application startup complete",
-    )
+    caps = {"LMSP_MAX_STREAMS_PER_TOKEN": "2", "LMSP_MAX_STREAMS_PER_PROCESS": "3"}
+    capped, port = stack.another_web("web-capped", caps)
     capped.start()
     other = make_token("bob")
     try:
