@@ -4,9 +4,13 @@
 # TORCH names a build on download.pytorch.org/whl (cpu, cu126, cu128, ...).
 FROM python:3.11-slim
 ARG TORCH=cpu
+# Plain HTTP by default; behind a proxy that terminates TLS, set
+# LMSP_BEHIND_TLS_PROXY=1 and LMSP_CSRF_TRUSTED_ORIGINS (README, "Operations").
 ENV PYTHONUNBUFFERED=1 \
     LMSP_DATA_DIR=/data \
-    LMSP_MODEL_CACHE=/app/models
+    LMSP_MODEL_CACHE=/app/models \
+    LMSP_BEHIND_TLS_PROXY=0 \
+    LMSP_HSTS_SECONDS=0
 WORKDIR /app
 COPY . .
 RUN TORCH_INDEX_URL="https://download.pytorch.org/whl/${TORCH}" scripts/install

@@ -14,6 +14,11 @@ Both sides use it: the web's check of a request's schemas
 (``workers.constraints``), which gets the compiled grammar back serialized.
 Importing this module imports nothing heavy: xgrammar is loaded in the fork
 server and its children only.
+
+A web process runs a bounded number of these children at once
+(``compile_slot``): each may take ``LMSP_GRAMMAR_MEMORY_MB`` and a CPU for
+``LMSP_GRAMMAR_TIMEOUT_SECONDS``, and a burst of requests with schemas
+would otherwise start one each.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ import json
 import multiprocessing
 import re
 import resource
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -51,10 +59,33 @@ class GrammarLimitExceeded(GrammarError):
     """The compile ran out of time or memory (or crashed) in its child."""
 
 
+class CompilerBusy(Exception):
+    """Every compile slot of this process stayed taken for the whole wait."""
+
+
 @dataclass(frozen=True)
 class Limits:
     seconds: float
     memory_mb: int
+
+
+@functools.cache
+def _slots(count: int) -> threading.BoundedSemaphore:
+    return threading.BoundedSemaphore(count)
+
+
+@contextmanager
+def compile_slot(count: int, wait: float) -> Iterator[None]:
+    """One of this process's ``count`` compile slots, waited for up to
+    ``wait`` seconds (``CompilerBusy`` when none came free): compiles beyond
+    them wait their turn or are refused, never run all at once."""
+    slots = _slots(count)
+    if not slots.acquire(timeout=wait):
+        raise CompilerBusy(f"{count} grammar compiles already run in this process")
+    try:
+        yield
+    finally:
+        slots.release()
 
 
 @functools.cache

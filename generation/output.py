@@ -109,7 +109,7 @@ def _parse_call(body: str) -> tuple[str, object] | None:
         call = json.loads(body)
         name = call["name"]
         arguments = call.get("arguments", {})
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
     return (name, arguments) if isinstance(name, str) else None
 

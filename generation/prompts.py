@@ -56,9 +56,12 @@ def _text(parts: list[dict[str, Any]]) -> str:
 
 
 def _arguments(item: dict[str, Any]) -> object:
+    """A call's arguments as JSON when they are JSON, else the text sent (a
+    model's call may be cut short); nested past the parser's recursion limit
+    (``[[[...`` a megabyte deep) they are text as well."""
     try:
         return json.loads(item["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):
         return item["arguments"]
 
 
@@ -82,9 +85,19 @@ def chat_messages(items: list[dict[str, Any]], native_tools: bool = False) -> li
     Reasoning items are not shown to the model again.
     """
     messages: list[dict[str, Any]] = []
+    # The texts of a Hermes turn that calls or results join, by the turn's
+    # index: joined once at the end (added to the turn one by one, a
+    # thousand results of a kilobyte copied half a gigabyte).
+    joined: dict[int, list[str]] = {}
 
     def last(role: str) -> dict[str, Any] | None:
         return messages[-1] if messages and messages[-1]["role"] == role else None
+
+    def join(role: str, text: str) -> None:
+        if last(role) is None:
+            messages.append({"role": role, "content": text})
+        else:
+            joined.setdefault(len(messages) - 1, [messages[-1]["content"]]).append(text)
 
     for item in items:
         kind = item["type"]
@@ -99,20 +112,16 @@ def chat_messages(items: list[dict[str, Any]], native_tools: bool = False) -> li
                 messages.append(turn)
             turn.setdefault("tool_calls", []).append(call)
         elif kind == "function_call":
-            turn = last("assistant")
-            if turn is None:
-                messages.append({"role": "assistant", "content": _tool_call_text(item)})
-            else:
-                turn["content"] = f"{turn['content']}\n{_tool_call_text(item)}".lstrip("\n")
+            join("assistant", _tool_call_text(item))
         elif kind == "function_call_output" and native_tools:
             messages.append({"role": "tool", "content": item["output"]})
         elif kind == "function_call_output":
-            result = f"<tool_response>\n{item['output']}\n</tool_response>"
-            turn = last("tool")
-            if turn is None:
-                messages.append({"role": "tool", "content": result})
-            else:
-                turn["content"] += "\n" + result
+            join("tool", f"<tool_response>\n{item['output']}\n</tool_response>")
+    for index, texts in joined.items():
+        turn = messages[index]
+        turn["content"] = "\n".join(texts)
+        if turn["role"] == "assistant":  # calls after an empty text start the turn
+            turn["content"] = turn["content"].lstrip("\n")
     return messages
 
 

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
-_QUANTIFIER = re.compile(r"\{([0-9]+)(?:,([0-9]*))?\}")
+# pattern_repeat reads a regular expression with Python only at its groups and
+# counted repetitions: escapes and character classes (each one atom, whatever
+# it holds) are made a plain atom first, and the rest is atoms too.
+_ATOM = re.compile(r"\\.?|\[\^?\]?(?:\\.?|[^\]\\])*\]?", re.S)
+_GROUP_OR_COUNT = re.compile(r"[()]|\{([0-9]+)(?:,([0-9]*))?\}")
 _LONGEST_BOUND = 9  # digits; anything longer is over every sensible limit
 
 
@@ -38,56 +43,59 @@ def pattern_repeat(pattern: str) -> int:
     """The most times a regular expression repeats one thing, with nested
     counted repetitions multiplied: ``(a{10}){20}`` is 200. ``*`` and ``+``
     are loops in a grammar, not copies, and count 1."""
+    if "{" not in pattern:  # no counted repetition: nothing repeats
+        return 1
     costs = [1]  # the costliest atom in each open group
     last = 1  # the cost of the atom a quantifier would apply to
-    index = 0
-    while index < len(pattern):
-        char = pattern[index]
-        if char == "\\":
-            last, index = 1, index + 2
-        elif char == "[":
-            end = index + 1
-            if end < len(pattern) and pattern[end] == "^":
-                end += 1
-            if end < len(pattern) and pattern[end] == "]":
-                end += 1
-            while end < len(pattern) and pattern[end] != "]":
-                end += 2 if pattern[end] == "\\" else 1
-            last, index = 1, end + 1
-        elif char == "(":
+    seen = 0  # where the last token ended: anything between is atoms
+    for token in _GROUP_OR_COUNT.finditer(_ATOM.sub("a", pattern)):
+        if token.start() > seen:
+            last = 1
+        seen = token.end()
+        if token.group() == "(":
             costs.append(1)
-            last, index = 1, index + 1
-        elif char == ")":
+            last = 1
+        elif token.group() == ")":
             last = costs.pop() if len(costs) > 1 else 1
-            index += 1
-        elif char == "{" and (match := _QUANTIFIER.match(pattern, index)):
-            low, high = match.group(1), match.group(2)
+        else:
+            low, high = token.group(1), token.group(2)
             bound_text = high if high else low
             if len(bound_text) > _LONGEST_BOUND or len(low) > _LONGEST_BOUND:
                 return int(10**_LONGEST_BOUND)
             last *= max(int(bound_text), int(low), 1)
-            index = match.end()
-        else:
-            last, index = 1, index + 1
         costs[-1] = max(costs[-1], last)
     return max(costs)
 
 
-def _patterns(schema: object, path: str) -> list[tuple[str, str]]:
-    """Every ``pattern`` string in a schema, with its path."""
-    found = []
-    pending: list[tuple[object, str]] = [(schema, path)]
+# A member's place: its parent's and its own key or index (None: the schema).
+_Where = tuple["_Where", str | int] | None
+
+
+def _patterns(schema: object) -> Iterator[tuple[str, _Where]]:
+    """Every ``pattern`` string in a schema, with where it is (``_path``
+    spells that out: built for every member, paths would cost the schema's
+    size times its depth times the length of its keys)."""
+    pending: list[tuple[object, _Where]] = [(schema, None)]
     while pending:
         current, where = pending.pop()
         if isinstance(current, dict):
             for key, member in current.items():
                 if key == "pattern" and isinstance(member, str):
-                    found.append((f"{where}.pattern", member))
+                    yield member, (where, key)
                 else:
-                    pending.append((member, f"{where}.{key}"))
+                    pending.append((member, (where, key)))
         elif isinstance(current, list):
-            pending.extend((member, f"{where}[{i}]") for i, member in enumerate(current))
-    return found
+            pending.extend((member, (where, index)) for index, member in enumerate(current))
+
+
+def _path(path: str, where: _Where) -> str:
+    steps: list[str | int] = []
+    while where is not None:
+        where, step = where
+        steps.append(step)
+    for step in reversed(steps):
+        path += f"[{step}]" if isinstance(step, int) else f".{step}"
+    return path
 
 
 def schema_bounds_problem(
@@ -100,10 +108,10 @@ def schema_bounds_problem(
     depth = _depth(schema)
     if depth > max_depth:
         return path, f"The schema nests {depth} deep; at most {max_depth} is allowed."
-    for where, pattern in _patterns(schema, path):
+    for pattern, where in _patterns(schema):
         repeat = pattern_repeat(pattern)
         if repeat > max_repeat:
-            return where, (
+            return _path(path, where), (
                 f"The pattern repeats up to {repeat} times; at most {max_repeat} is allowed."
             )
     return None

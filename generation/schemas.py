@@ -25,6 +25,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from django.conf import settings
+
 from . import grammar_limits
 from .output import CALL_OPENING, TOOL_CLOSE, TOOL_OPEN, opens_call
 from .params import GenerationParams
@@ -96,11 +98,14 @@ def structural_tag(fmt: dict[str, Any]) -> str:
 
 
 def grammar_limits_from_settings() -> grammar_limits.Limits:
-    from django.conf import settings
-
     return grammar_limits.Limits(
         seconds=settings.LMSP_GRAMMAR_TIMEOUT_SECONDS, memory_mb=settings.LMSP_GRAMMAR_MEMORY_MB
     )
+
+
+def needs_grammar(params: GenerationParams) -> bool:
+    """Whether a request has schemas to compile (tools, a JSON schema answer)."""
+    return bool(params.tools) or params.json_schema is not None
 
 
 def schema_problem(
@@ -111,10 +116,12 @@ def schema_problem(
     or ``LMSP_GRAMMAR_MEMORY_MB`` to compile.
 
     Checked in the web process, in a child process (``generation.grammar_limits``)
-    so that a hostile schema costs the web nothing but the wait. With the
-    model's ``spec`` each schema is compiled against its tokenizer, as the
-    worker will (that is where the costly compiles are); without one, only
-    the grammar is built.
+    so that a hostile schema costs the web nothing but the wait, and in one of
+    the process's ``LMSP_GRAMMAR_CONCURRENCY`` compile slots: raises
+    ``grammar_limits.CompilerBusy`` when none came free within
+    ``LMSP_GRAMMAR_WAIT_SECONDS``. With the model's ``spec`` each schema is
+    compiled against its tokenizer, as the worker will (that is where the
+    costly compiles are); without one, only the grammar is built.
     """
     schemas: list[tuple[str, dict[str, Any]]] = []
     if params.json_schema is not None:
@@ -129,8 +136,12 @@ def schema_problem(
 
         info = grammar_limits.tokenizer_info(str(weights_folder(spec)))
     tags = [structural_tag(fmt) for _, fmt in schemas]
+    slot = grammar_limits.compile_slot(
+        settings.LMSP_GRAMMAR_CONCURRENCY, settings.LMSP_GRAMMAR_WAIT_SECONDS
+    )
     try:
-        grammar_limits.compile_tags(tags, info, grammar_limits_from_settings())
+        with slot:
+            grammar_limits.compile_tags(tags, info, grammar_limits_from_settings())
     except grammar_limits.GrammarError as exc:
         param = schemas[exc.index][0]
         return param, f"The schema in {param} cannot be compiled: {exc.reason}."

@@ -216,7 +216,8 @@ def _event_id(raw: str | int | None) -> int | None:
     if isinstance(raw, int):
         return raw
     text = raw.strip()
-    return int(text) if text.isdigit() else None
+    # ASCII digits only: str.isdigit accepts "²", which int() refuses.
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
 def output_text(response: dict[str, Any]) -> str:

@@ -3,6 +3,9 @@
 Every answer carries ``LMSP-Version: 1.0``; a request for another major
 version is refused; oversized bodies are 413; and an exception that escapes a
 view becomes a ``500 internal_error`` problem document, never an HTML page.
+
+Outside the APIs (the admin), a path or query holding U+0000 is refused with
+400 (``NulRefusalMiddleware``).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from django.conf import settings
-from django.core.exceptions import RequestDataTooBig
+from django.core.exceptions import BadRequest, RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
 from django.utils.deprecation import MiddlewareMixin
 
@@ -20,6 +23,8 @@ log = logging.getLogger(__name__)
 
 API_PREFIX = "/lmsp/"
 PROTOCOL_VERSION = "1.0"
+# Paths whose views refuse U+0000 themselves, each in its API's own answer.
+APIS = (API_PREFIX, "/v1/")
 
 
 class ProtocolMiddleware(MiddlewareMixin):
@@ -92,3 +97,18 @@ def check_body_size(content_length: str | None) -> None:
     if content_length and content_length.isascii() and content_length.isdigit():
         if int(content_length) > settings.LMSP_MAX_BODY_BYTES:
             raise too_large()
+
+
+class NulRefusalMiddleware(MiddlewareMixin):
+    """U+0000 in the path or the query of a page outside the APIs is refused
+    with Django's 400: PostgreSQL stores none, and an admin page given one in
+    an id, a search or a filter answered 500 (psycopg's ``DataError``). Forms
+    refuse it already (Django's ``ProhibitNullCharactersValidator``); the
+    APIs' views refuse it themselves, in their own answers."""
+
+    def process_request(self, request: HttpRequest) -> None:
+        if request.path.startswith(APIS):
+            return
+        query = (text for key, values in request.GET.lists() for text in (key, *values))
+        if "\x00" in request.path or any("\x00" in text for text in query):
+            raise BadRequest("U+0000 in the path or the query.")

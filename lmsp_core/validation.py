@@ -65,6 +65,20 @@ class StrictListField(serializers.ListField):
                 )
         return super().to_internal_value(data)
 
+    def run_child_validation(self, data: list[Any]) -> list[Any]:
+        """The members validated, up to the first that fails: only the first
+        error is reported (``validation_problem``), and DRF's collecting one
+        per member cost seconds for a list of thousands that all fail."""
+        validated = []
+        for index, member in enumerate(data):
+            try:
+                validated.append(self.child.run_validation(member))
+            except serializers.ValidationError as exc:
+                # DRF names a member of a list by its index in what it reports
+                detail: Any = {index: exc.detail}
+                raise serializers.ValidationError(detail) from exc
+        return validated
+
 
 class JSONObjectField(serializers.JSONField):
     def to_internal_value(self, data: object) -> dict[str, Any]:

@@ -14,6 +14,12 @@ def env_float(name: str, default: float) -> float:
     return float(value) if value else default
 
 
+def env_list(name: str, default: str = "") -> list[str]:
+    """A comma-separated list; blanks around and empty entries dropped."""
+    value = os.environ.get(name) or default
+    return [entry.strip() for entry in value.split(",") if entry.strip()]
+
+
 def env_bool(name: str, default: bool) -> bool:
     value = os.environ.get(name)
     if not value:

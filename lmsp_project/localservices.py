@@ -63,9 +63,14 @@ def forget(folder: Path) -> None:
         pass
 
 
+RECORDED = ("DATABASE_URL", "REDIS_URL", "LMSP_DEVELOPMENT")
+
+
 def recorded(folder: Path | None = None) -> dict[str, str]:
     """``DATABASE_URL`` / ``REDIS_URL`` of a running ``scripts/serve`` of this
-    checkout, or nothing when none runs (a record left by a killed one is ignored)."""
+    checkout, and ``LMSP_DEVELOPMENT`` (its embedded services make it a
+    development run), or nothing when none runs (a record left by a killed
+    one is ignored)."""
     path = (folder or data_dir()) / RECORD_NAME
     try:
         data = json.loads(path.read_text())
@@ -73,7 +78,7 @@ def recorded(folder: Path | None = None) -> dict[str, str]:
         return {}
     if not isinstance(data, dict) or not _alive(int(data.get("pid", 0))):
         return {}
-    return {k: v for k, v in data.items() if k in ("DATABASE_URL", "REDIS_URL") and v}
+    return {k: v for k, v in data.items() if k in RECORDED and v}
 
 
 def _forget_dead_handles(pgdata: Path) -> None:

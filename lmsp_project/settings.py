@@ -4,7 +4,7 @@ import os
 from pathlib import Path
 
 from . import localservices
-from .env import check_secret_key, database_from_url, env_bool, env_float, env_int
+from .env import check_secret_key, database_from_url, env_bool, env_float, env_int, env_list
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("LMSP_DATA_DIR", BASE_DIR / ".data"))
@@ -20,11 +20,34 @@ BUILTIN_SECRET_KEY = "dev-only-insecure-key-change-me"
 SECRET_KEY = os.environ.get("LMSP_SECRET_KEY", BUILTIN_SECRET_KEY)
 DEBUG = env_bool("LMSP_DEBUG", False)
 # A development run may use the built-in key; anything else must bring its own
-# (sessions, admin, CSRF). Running on this checkout's embedded services (no
-# DATABASE_URL) is one; LMSP_DEVELOPMENT=1 says so against an outside database.
-LMSP_DEVELOPMENT = env_bool("LMSP_DEVELOPMENT", False) or not os.environ.get("DATABASE_URL")
+# (sessions, admin, CSRF). Only LMSP_DEVELOPMENT=1 says a run is one: set by
+# scripts/serve, scripts/test, manage.py on the embedded PostgreSQL, and
+# recorded by scripts/serve for the commands that join its embedded services.
+# (A missing DATABASE_URL once counted too, and a server with a PostgreSQL on
+# the default address then ran with the key everyone knows.)
+LMSP_DEVELOPMENT = env_bool("LMSP_DEVELOPMENT", False) or (
+    not os.environ.get("DATABASE_URL") and _RUNNING.get("LMSP_DEVELOPMENT") == "1"
+)
 check_secret_key(SECRET_KEY, BUILTIN_SECRET_KEY, debug=DEBUG, development=LMSP_DEVELOPMENT)
-ALLOWED_HOSTS = os.environ.get("LMSP_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver").split(",")
+ALLOWED_HOSTS = env_list("LMSP_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver")
+
+# --- behind a proxy that terminates TLS (README, "Operations") ----------------
+# Origins (scheme://host[:port]) whose forms the admin accepts besides its own
+# host's, such as the public https:// address of a proxy that forwards
+# another Host header.
+CSRF_TRUSTED_ORIGINS = env_list("LMSP_CSRF_TRUSTED_ORIGINS")
+# A proxy in front terminates TLS and sets X-Forwarded-Proto on every request
+# (overwriting any the client sent): a request it marks https is secure, so
+# that the admin's CSRF check expects https:// origins, and the session and
+# CSRF cookies are sent over https only. Never set without such a proxy:
+# any client could then claim https.
+LMSP_BEHIND_TLS_PROXY = env_bool("LMSP_BEHIND_TLS_PROXY", False)
+if LMSP_BEHIND_TLS_PROXY:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = True
+# Strict-Transport-Security on secure answers: browsers then use https only
+# for this long (seconds; 0: no header). Raise it once https works for good.
+SECURE_HSTS_SECONDS = env_int("LMSP_HSTS_SECONDS", 0)
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -48,6 +71,7 @@ MIDDLEWARE = [
     "lmsp_core.middleware.ProtocolMiddleware",
     "openai_app.middleware.OpenAIErrorMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    "lmsp_core.middleware.NulRefusalMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -166,10 +190,15 @@ LMSP_STREAM_CHECK_SECONDS = env_float("LMSP_STREAM_CHECK_SECONDS", 15.0)
 # the database in pages of LMSP_STREAM_PAGE_EVENTS.
 LMSP_STREAM_WINDOW_EVENTS = env_int("LMSP_STREAM_WINDOW_EVENTS", 2048)
 LMSP_STREAM_PAGE_EVENTS = env_int("LMSP_STREAM_PAGE_EVENTS", 500)
-# Open event streams one web process serves, in all and per token; beyond
-# either, GET /tasks/{id}/events is answered 503 overloaded with Retry-After.
+# Open event streams one web process serves, in all, per token and per owner
+# (all its tokens); beyond any, a new stream is answered 503 overloaded with
+# Retry-After. Streams that follow a task (GET /lmsp/v1/tasks/{id}/events,
+# GET /v1/responses/{id}?stream=true) count, and so do replays of idempotent
+# direct responses; a direct response's own answer does not (the model's
+# queue and the owner's quotas bound those).
 LMSP_MAX_STREAMS_PER_PROCESS = env_int("LMSP_MAX_STREAMS_PER_PROCESS", 20_000)
 LMSP_MAX_STREAMS_PER_TOKEN = env_int("LMSP_MAX_STREAMS_PER_TOKEN", 1_000)
+LMSP_MAX_STREAMS_PER_OWNER = env_int("LMSP_MAX_STREAMS_PER_OWNER", 2_000)
 LMSP_STREAM_RETRY_AFTER_SECONDS = env_int("LMSP_STREAM_RETRY_AFTER_SECONDS", 5)
 # A revoked token's streams end at once (a message on Redis); without one (a lost
 # message, an expiry) each web process checks its streams' tokens this often.
@@ -195,6 +224,12 @@ LMSP_IDEMPOTENCY_TAKEOVER_SECONDS = env_float("LMSP_IDEMPOTENCY_TAKEOVER_SECONDS
 # with these limits; a schema beyond them is refused (400 invalid_request).
 LMSP_GRAMMAR_TIMEOUT_SECONDS = env_float("LMSP_GRAMMAR_TIMEOUT_SECONDS", 5.0)
 LMSP_GRAMMAR_MEMORY_MB = env_int("LMSP_GRAMMAR_MEMORY_MB", 1024)
+# Compiles one web process runs at once (each a child of up to the memory
+# above); a request finding them all taken waits up to this long for one,
+# then is answered 503 overloaded. Keep the wait plus the timeout below
+# LMSP_IDEMPOTENCY_TAKEOVER_SECONDS.
+LMSP_GRAMMAR_CONCURRENCY = env_int("LMSP_GRAMMAR_CONCURRENCY", 2)
+LMSP_GRAMMAR_WAIT_SECONDS = env_float("LMSP_GRAMMAR_WAIT_SECONDS", 3.0)
 # Compiled grammars a worker keeps per model, and the bytes xgrammar's own
 # compiler cache may hold.
 LMSP_GRAMMAR_CACHE_ENTRIES = env_int("LMSP_GRAMMAR_CACHE_ENTRIES", 64)

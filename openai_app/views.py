@@ -11,7 +11,7 @@ resuming or cancelling it needs ``tasks:read`` / ``tasks:write``.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -30,7 +30,9 @@ from generation.registry import ModelSpec, available_models, get_model
 from lmsp_core import protocol
 from lmsp_core.errors import ProblemError
 from lmsp_core.http import cpu_call, db_call, json_body
+from lmsp_core.ids import is_valid_id
 from lmsp_core.protocol import KEEPALIVE_FRAME
+from lmsp_core.validation import integer_param
 from responses_app import direct, records
 from responses_app.models import Response
 from responses_app.selectors import erasable_responses
@@ -41,7 +43,7 @@ from tasks_app import services as task_services
 from tasks_app.event_log import StoredEvent
 from tasks_app.models import Task, TaskKind
 from tasks_app.stream_access import StreamAccess
-from tasks_app.streams import SSE_HEADERS, follow_events
+from tasks_app.streams import SSE_HEADERS, admit, admitted, follow_events
 
 from . import chat, responses
 from .errors import ParamMap, named_as_sent, openai_view
@@ -76,8 +78,14 @@ def _failed(result: dict) -> ProblemError:
     return ProblemError(error["code"], error["detail"])
 
 
-def _event_stream(frames: AsyncIterator[bytes]) -> StreamingHttpResponse:
-    return StreamingHttpResponse(frames, content_type="text/event-stream", headers=SSE_HEADERS)
+def _event_stream(
+    frames: AsyncGenerator[bytes, None], release: Callable[[], None]
+) -> StreamingHttpResponse:
+    """A stream that holds a place under the stream caps (``release``: what
+    gave it, called when the stream ends or is dropped)."""
+    return StreamingHttpResponse(
+        admitted(frames, release), content_type="text/event-stream", headers=SSE_HEADERS
+    )
 
 
 def _data_frame(data: dict | str) -> bytes:
@@ -122,6 +130,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
         token.owner, validated, TaskKind.DIRECT, key, translated.param_of, translated.stream
     )
     access = StreamAccess.of(token)
+    release = direct.admit_replay(task, token)
     if translated.stream:
         chunks = chat.ChunkTranslator(
             task.response_id,
@@ -129,20 +138,21 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
             validated["model"],
             translated.include_usage,
         )
-        frames = _chat_frames(task, direct.cancels_if_left(key, True), chunks, access)
-        return _event_stream(frames)
-    result = await direct.final_result(task, direct.cancels_if_left(key, False), access)
+        leave = direct.cancels_if_left(key, True)
+        events = direct.delivered_events(task, leave, access, release)
+        return _event_stream(_chat_frames(events, chunks), release)
+    result = await direct.final_result(task, direct.cancels_if_left(key, False), access, release)
     if result["status"] == "failed":
         raise _failed(result)
     return JsonResponse(chat.completion(result))
 
 
 async def _chat_frames(
-    task: Task, cancel_if_left: bool, chunks: chat.ChunkTranslator, access: StreamAccess
-) -> AsyncIterator[bytes]:
+    events: AsyncGenerator[StoredEvent | None, None], chunks: chat.ChunkTranslator
+) -> AsyncGenerator[bytes, None]:
     failed = False  # an error chunk (a failed or cut short answer) ends without [DONE]
-    async with aclosing(direct.delivered_events(task, cancel_if_left, access)) as events:
-        async for event in events:
+    async with aclosing(events) as delivered:
+        async for event in delivered:
             if event is None:
                 yield KEEPALIVE_FRAME
                 continue
@@ -188,7 +198,7 @@ async def _response_frames(
     events: AsyncGenerator[StoredEvent | None, None],
     translator: responses.EventTranslator,
     starting_after: int = -1,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     async with aclosing(events) as followed:
         async for event in followed:
             if event is None:
@@ -215,17 +225,19 @@ async def create_response(request: HttpRequest) -> HttpResponseBase:
     access = StreamAccess.of(token)
     if translated.stream:
         translator = await db_call(_translator, task.id)
+        release = direct.admit_replay(task, token)
         events = (
-            follow_events(task.id, 0, access=access)
+            follow_events(task.id, 0, access=access, release=release)
             if translated.background
-            else direct.delivered_events(task, direct.cancels_if_left(key, True), access)
+            else direct.delivered_events(task, direct.cancels_if_left(key, True), access, release)
         )
-        return _event_stream(_response_frames(events, translator))
+        return _event_stream(_response_frames(events, translator), release)
     if translated.background:
         return JsonResponse(await db_call(_openai_response, task.id))
     # read before the answer is delivered: a store: false response is then gone
     _, params, _, _ = await db_call(_snapshot, task.id)
-    result = await direct.final_result(task, direct.cancels_if_left(key, False), access)
+    release = direct.admit_replay(task, token)
+    result = await direct.final_result(task, direct.cancels_if_left(key, False), access, release)
     if result["status"] == "failed":
         raise _failed(result)
     return JsonResponse(responses.response_object(result, params, background=False))
@@ -233,20 +245,21 @@ async def create_response(request: HttpRequest) -> HttpResponseBase:
 
 def _owned_response(owner: User, response_id: str) -> tuple[Response, Task | None]:
     """A response the owner can read back: a stored one or a background one
-    (whose task is kept until task retention). Anything else is 404."""
-    task = (
-        Task.objects.select_related("response")
-        .filter(response_id=response_id, owner=owner, kind=TaskKind.TASK)
-        .first()
-    )
-    if task is not None:
-        return task.response, task
-    response = Response.objects.filter(id=response_id, owner=owner, store=True).first()
-    if response is None:
-        raise ProblemError(
-            "response_not_found", f"No response with id {response_id!r}.", param="response_id"
+    (whose task is kept until task retention). Anything else is 404; an id
+    that cannot be a response's (NUL included) never reaches the database."""
+    if is_valid_id(response_id, "resp"):
+        task = (
+            Task.objects.select_related("response")
+            .filter(response_id=response_id, owner=owner, kind=TaskKind.TASK)
+            .first()
         )
-    return response, None
+        if task is not None:
+            return task.response, task
+        response = Response.objects.filter(id=response_id, owner=owner, store=True).first()
+        if response is not None:
+            return response, None
+    shown = response_id if len(response_id) <= 64 else response_id[:64] + "..."
+    raise ProblemError("response_not_found", f"No response with id {shown!r}.", param="response_id")
 
 
 def _readable(
@@ -262,14 +275,10 @@ async def _token(request: HttpRequest) -> ApiToken:
 
 
 def _starting_after(request: HttpRequest) -> int:
+    """``starting_after``: a sequence number in ASCII digits; absent or -1:
+    from the first event. (``str.isdigit`` once let ``²`` through to ``int``.)"""
     raw = request.GET.get("starting_after", "-1")
-    if not (raw.isdigit() or raw == "-1"):
-        raise ProblemError(
-            "invalid_request",
-            f"starting_after must be a non-negative integer, not {raw!r}.",
-            param="starting_after",
-        )
-    return int(raw)
+    return -1 if raw == "-1" else integer_param(raw, "starting_after", 0)
 
 
 @openai_view("GET", "DELETE")
@@ -312,8 +321,9 @@ async def response_detail(request: HttpRequest, response_id: str) -> HttpRespons
             "without stream=true.",
         )
     translator = await db_call(_translator, task.id)
-    events = follow_events(task.id, 0, access=StreamAccess.of(token))
-    return _event_stream(_response_frames(events, translator, after))
+    release = admit(token.pk, token.owner_id)
+    events = follow_events(task.id, 0, access=StreamAccess.of(token), release=release)
+    return _event_stream(_response_frames(events, translator, after), release)
 
 
 def _erase(token: ApiToken, response_id: str) -> None:

@@ -11,7 +11,8 @@ treated as one that left (``tasks_app.stream_access``). Once delivered, a
 it: the task's feed keeps all its events while it is read
 (``follow_events(whole=True)``), and a stream that still cannot get to its
 end (the response was deleted) ends with an ``error`` event, never as if
-it were whole. Every endpoint that answers directly (LMSP's ``POST
+it were whole. A replay holds a place under the stream caps while it waits
+(``admit_replay``). Every endpoint that answers directly (LMSP's ``POST
 /responses`` and the OpenAI-compatible routes) goes through these
 functions, whatever shape it sends.
 """
@@ -20,11 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
+from typing import Any
 
 from django.db import DatabaseError
 
+from accounts_app.models import ApiToken
 from lmsp_core import protocol
 from lmsp_core.errors import ProblemError, unauthorized
 from lmsp_core.http import db_call
@@ -32,7 +35,7 @@ from tasks_app import services as task_services
 from tasks_app.event_log import StoredEvent
 from tasks_app.models import Task
 from tasks_app.stream_access import StreamAccess
-from tasks_app.streams import follow_events
+from tasks_app.streams import admit, follow_events
 
 from . import records
 
@@ -70,12 +73,31 @@ def _leaving(task: Task, cancel_if_left: bool) -> bool:
     return cancel_if_left and not getattr(task, "replayed", False)
 
 
-def _events(task: Task, access: StreamAccess) -> AsyncGenerator[StoredEvent | None, None]:
+def _nothing_held() -> None:
+    pass
+
+
+def admit_replay(task: Task, token: ApiToken) -> Callable[[], None]:
+    """The release of the place a replay holds under the stream caps while it
+    waits for the answer (``tasks_app.streams.admit``: ``503 overloaded``
+    past them): it follows a generation its first request started and
+    answers for, as a follower of a task does, and nothing else bounds how
+    many wait at once. A first request's answer holds none: the model's queue
+    and the owner's quotas bound those."""
+    if getattr(task, "replayed", False):
+        return admit(token.pk, token.owner_id)
+    return _nothing_held
+
+
+def _events(
+    task: Task, access: StreamAccess, release: Callable[[], None] | None
+) -> AsyncGenerator[StoredEvent | None, None]:
     """The task's events from the first, all kept for this reader, ending
     with a final or an ``error`` event; those it was created with come from
-    the request that created it (a replay's task was read back, without them)."""
+    the request that created it (a replay's task was read back, without them).
+    ``release`` is called once they end (``admit_replay``)."""
     known = getattr(task, "events_at_creation", ())
-    return follow_events(task.id, 0, known, access=access, whole=True)
+    return follow_events(task.id, 0, known, access=access, whole=True, release=release)
 
 
 def _delivered_result(task_id: str) -> dict:
@@ -85,14 +107,19 @@ def _delivered_result(task_id: str) -> dict:
     return body
 
 
-async def final_result(task: Task, cancel_if_left: bool, access: StreamAccess) -> dict:
+async def final_result(
+    task: Task,
+    cancel_if_left: bool,
+    access: StreamAccess,
+    release: Callable[[], None] | None = None,
+) -> dict[str, Any]:
     """Wait for the end of a direct generation and return its response object
     (LMSP's shape, whatever its status); cancel it if the client leaves first
     (``cancel_if_left``, and not a replay) or its ``access`` ends (then 401).
-    A response deleted meanwhile is 404."""
+    A response deleted meanwhile is 404. ``release``: see ``admit_replay``."""
     last = None
     try:
-        async with aclosing(_events(task, access)) as events:
+        async with aclosing(_events(task, access, release)) as events:
             async for event in events:
                 last = event or last
     except asyncio.CancelledError:
@@ -109,18 +136,21 @@ async def final_result(task: Task, cancel_if_left: bool, access: StreamAccess) -
 
 
 async def delivered_events(
-    task: Task, cancel_if_left: bool, access: StreamAccess
+    task: Task,
+    cancel_if_left: bool,
+    access: StreamAccess,
+    release: Callable[[], None] | None = None,
 ) -> AsyncGenerator[StoredEvent | None, None]:
     """The events of a direct generation from the first (``None``: time for a
     keep-alive), ending with a final event, or an ``error`` event when it
     cannot get there (``follow_events``); the generation is cancelled if the
     stream is not read to the end or its ``access`` ends (``cancel_if_left``,
     and not a replay), and the answer discarded once it is delivered, unless
-    it was stored."""
+    it was stored. ``release``: see ``admit_replay``."""
     delivered = client_gone = False
     last = None
     try:
-        async with aclosing(_events(task, access)) as events:
+        async with aclosing(_events(task, access, release)) as events:
             async for event in events:
                 yield event
                 last = event or last

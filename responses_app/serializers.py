@@ -41,6 +41,15 @@ class TextPartSerializer(StrictSerializer):
     text = StrictCharField(allow_blank=True, trim_whitespace=False)
     annotations = StrictListField(required=False)
 
+    def run_validation(self, data: object = serializers.empty) -> dict:
+        """The common part, ``{"type": ..., "text": "..."}`` (its type already
+        checked by ``TypedObjectField``), is what the fields would return as
+        it is: taken in a microsecond instead of DRF's 40 us, for the 30,000
+        parts a megabyte can hold. Anything else goes through the fields."""
+        if type(data) is dict and data.keys() == {"type", "text"} and type(data["text"]) is str:
+            return {"type": data["type"], "text": data["text"]}
+        return super().run_validation(data)
+
 
 def run_nested(serializer_class: type[serializers.Serializer], data: object) -> dict:
     serializer = serializer_class(data=data)
@@ -50,7 +59,12 @@ def run_nested(serializer_class: type[serializers.Serializer], data: object) -> 
 
 
 class TypedObjectField(serializers.Field):
-    """An object whose ``type`` member chooses the serializer that checks it."""
+    """An object whose ``type`` member chooses the serializer that checks it.
+
+    One serializer per type checks every member of a list: a serializer
+    made per member copies its fields each time, which cost about 250 us a
+    member (seconds for the 30,000 content parts a megabyte can hold).
+    """
 
     def __init__(
         self,
@@ -60,7 +74,8 @@ class TypedObjectField(serializers.Field):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.what, self.by_type, self.reserved = what, by_type, reserved
+        self.what, self.reserved = what, reserved
+        self.by_type = {kind: serializer_class() for kind, serializer_class in by_type.items()}
 
     def to_internal_value(self, data: object) -> dict:
         if not isinstance(data, dict):
@@ -79,7 +94,7 @@ class TypedObjectField(serializers.Field):
         if kind not in self.by_type:
             shown = kind if len(kind) <= 64 else kind[:64] + "..."
             raise serializers.ValidationError({"type": [f"Unknown {self.what} type {shown!r}."]})
-        return run_nested(self.by_type[kind], data)
+        return dict(self.by_type[kind].run_validation(data))
 
 
 PART_SERIALIZERS = {"input_text": TextPartSerializer, "output_text": TextPartSerializer}

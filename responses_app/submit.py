@@ -10,17 +10,20 @@ task are stored together, once per idempotency key.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from django.conf import settings
 from django.contrib.auth.models import User
 
+from generation.grammar_limits import CompilerBusy
 from generation.params import GenerationParams
 from generation.prompts import render_prompt
 from generation.registry import ModelSpec, get_model
-from generation.schemas import schema_problem
+from generation.schemas import needs_grammar, schema_problem
 from generation.tokens import prompt_tokenizer
 from lmsp_core.errors import ProblemError
-from tasks_app import idempotency, services
+from tasks_app import idempotency, quotas, services
 from tasks_app.models import Task, TaskKind
 
 from . import records
@@ -71,19 +74,31 @@ def prepare_generation(owner: User, request: dict, param_prefix: str = "") -> Pr
     context = (conversation_items(previous) if previous else []) + request["input"]
     tokenizer = prompt_tokenizer(spec)
     prompt = render_prompt(spec, tokenizer, context, params)
-    input_tokens = tokenizer.count(prompt)
+    # Counted only as far as the window: past it, the prompt is not encoded further.
+    input_tokens = tokenizer.count(prompt, limit=spec.context_window - 1)
     room = spec.context_window - input_tokens
     if room <= 0:
         raise ProblemError(
             "context_length_exceeded",
-            f"The input is {input_tokens} tokens; {spec.id!r} has a context window of "
-            f"{spec.context_window}, with room needed for the answer.",
+            f"The input is {spec.context_window} tokens or more; {spec.id!r} has a context "
+            f"window of {spec.context_window}, with room needed for the answer.",
             param=at("input"),
         )
-    # Compiling the grammar is the costly check: only for a request that fits.
-    unusable = schema_problem(params, spec)
-    if unusable is not None:
-        raise ProblemError("invalid_request", unusable[1], param=at(unusable[0]))
+    # Compiling the grammar is the costly check: only for a request that fits,
+    # and that its owner's quotas let through (they are checked again, under
+    # the owner's lock, when the task is stored).
+    if needs_grammar(params):
+        quotas.refuse_if_over(owner.pk)
+        try:
+            unusable = schema_problem(params, spec)
+        except CompilerBusy as exc:
+            raise ProblemError(
+                "overloaded",
+                f"{exc}; retry shortly.",
+                headers={"Retry-After": str(math.ceil(settings.LMSP_GRAMMAR_TIMEOUT_SECONDS))},
+            ) from exc
+        if unusable is not None:
+            raise ProblemError("invalid_request", unusable[1], param=at(unusable[0]))
     wanted = request.get("max_output_tokens", spec.max_output_tokens)
     return PreparedGeneration(
         spec=spec,

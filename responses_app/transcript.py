@@ -51,7 +51,7 @@ def _pretty(text: str) -> str:
     """Indent JSON (tool arguments and results usually are); anything else as is."""
     try:
         return json.dumps(json.loads(text), indent=2, ensure_ascii=False)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):  # not JSON, or nested past the parser
         return text
 
 

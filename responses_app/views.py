@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from django.http import (
@@ -21,9 +22,10 @@ from lmsp_core import protocol
 from lmsp_core.errors import ProblemError
 from lmsp_core.http import check_method, cpu_call, csrf_free, db_call, json_body
 from tasks_app import event_reader, idempotency
-from tasks_app.models import Task, TaskKind
+from tasks_app.event_log import StoredEvent
+from tasks_app.models import TaskKind
 from tasks_app.stream_access import StreamAccess
-from tasks_app.streams import SSE_HEADERS, lmsp_frame
+from tasks_app.streams import SSE_HEADERS, admitted, lmsp_frame
 
 from . import direct, records
 from .selectors import erasable_responses, stored_response
@@ -83,13 +85,15 @@ async def create_response(request: HttpRequest) -> HttpResponseBase:
         db_call(submit, token.owner, body, kind=TaskKind.DIRECT, idempotency_key=key), leave
     )
     access = StreamAccess.of(token)
+    release = direct.admit_replay(task, token)
     if body["stream"]:
+        events = direct.delivered_events(task, leave, access, release)
         return StreamingHttpResponse(
-            _direct_stream(task, leave, access),
+            admitted(_direct_stream(events), release),
             content_type="text/event-stream",
             headers=SSE_HEADERS,
         )
-    return _final_answer(await direct.final_result(task, leave, access))
+    return _final_answer(await direct.final_result(task, leave, access, release))
 
 
 def _validated_body(request: HttpRequest) -> dict:
@@ -98,7 +102,9 @@ def _validated_body(request: HttpRequest) -> dict:
     return validate_response_request(json_body(request))
 
 
-async def _direct_stream(task: Task, cancel_if_left: bool, access: StreamAccess):  # noqa: ANN202
-    async with aclosing(direct.delivered_events(task, cancel_if_left, access)) as events:
-        async for event in events:
+async def _direct_stream(
+    events: AsyncGenerator[StoredEvent | None, None],
+) -> AsyncGenerator[bytes, None]:
+    async with aclosing(events) as delivered:
+        async for event in delivered:
             yield lmsp_frame(event)

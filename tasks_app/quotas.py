@@ -19,6 +19,7 @@ from datetime import datetime, timedelta
 from typing import cast
 
 from django.conf import settings
+from django.utils import timezone
 
 from lmsp_core.errors import ProblemError
 from lmsp_core.status import Status
@@ -106,6 +107,18 @@ def _token_retry_after(owner_id: int, limit: int, now: datetime) -> int | None:
         if total < limit:
             return math.ceil(leaves_in)
     return None if total < limit else math.ceil(TOKEN_WINDOW.total_seconds())
+
+
+def refuse_if_over(owner_id: int) -> None:
+    """Refuse (429) a request of an owner already past its queued-task or
+    output-token quota, before the costly part of accepting it (compiling its
+    grammar). A read without the owner's lock: the submit's own admission
+    (``services.start_task``) still decides, this only spares the work."""
+    limits = limits_for(owner_id)
+    waiting = 0
+    if limits.max_queued:
+        waiting = Task.objects.filter(owner_id=owner_id, status=Status.QUEUED).count()
+    admit(owner_id, limits, waiting, timezone.now())
 
 
 def admit(owner_id: int, limits: Limits, waiting: int, now: datetime) -> None:

@@ -50,7 +50,7 @@ import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
-from typing import cast
+from typing import Any, TypeVar, cast
 
 from asgiref.sync import SyncToAsync
 from django.conf import settings
@@ -466,29 +466,41 @@ def lmsp_frame(event: StoredEvent | None) -> bytes:
     return sse_frame(event.id, event.event, event.data)
 
 
-async def follow_events(
+def follow_events(
     task_id: str,
     after: int,
     known: Sequence[StoredEvent] = (),
     *,
     access: StreamAccess | None = None,
     whole: bool = False,
+    release: Callable[[], None] | None = None,
 ) -> AsyncGenerator[StoredEvent | None, None]:
     """The events a follower gets, one by one (``None``: time for a
     keep-alive), for readers that speak another stream format than LMSP's
     or cannot reconnect. ``known``: the events of a task this process has
     just created (``TaskFeed.seed``); ``whole``: the task is a direct
-    response, whose feed keeps every event for its slow readers.
+    response, whose feed keeps every event for its slow readers;
+    ``release``: the stream's admission (``admit``), given back when it ends.
 
     Ends after the task's final event or, when it cannot get there, with an
     ``error`` event (id 0: not of the log) whose problem says why:
     ``unauthorized`` when ``access`` was taken away, else
     ``event_history_expired`` (events it needed were removed, or the task
     was deleted)."""
+    stream = _deliveries(
+        task_id, after, True, release=release, known=known, access=access, whole=whole
+    )
+    return _one_by_one(task_id, admitted(stream, release), access)
+
+
+async def _one_by_one(
+    task_id: str,
+    deliveries: AsyncGenerator[tuple[bytes, list[StoredEvent]] | bytes, None],
+    access: StreamAccess | None,
+) -> AsyncGenerator[StoredEvent | None, None]:
     finished = False
-    stream = _deliveries(task_id, after, True, known=known, access=access, whole=whole)
-    async with aclosing(stream) as deliveries:
-        async for delivery in deliveries:
+    async with aclosing(deliveries) as delivered:
+        async for delivery in delivered:
             if isinstance(delivery, bytes):
                 yield None
                 continue
@@ -617,14 +629,16 @@ def _park_request_thread() -> None:
 
 _open_streams = 0
 _open_by_token: dict[object, int] = {}
+_open_by_owner: dict[object, int] = {}
 
 
-def admit(token_key: object) -> Callable[[], None]:
-    """Count a new stream against this process's caps, or refuse it with
-    ``503 overloaded`` and ``Retry-After``. Returns the release function
-    (safe to call more than once)."""
+def admit(token_key: object, owner_key: object) -> Callable[[], None]:
+    """Count a new stream against this process's caps (in all, per token, per
+    owner), or refuse it with ``503 overloaded`` and ``Retry-After``. Returns
+    the release function (safe to call more than once)."""
     global _open_streams
     per_token = _open_by_token.get(token_key, 0)
+    per_owner = _open_by_owner.get(owner_key, 0)
     if _open_streams >= settings.LMSP_MAX_STREAMS_PER_PROCESS:
         raise _overloaded(
             f"This server process already serves {_open_streams} event streams; "
@@ -635,8 +649,14 @@ def admit(token_key: object) -> Callable[[], None]:
             f"This token already has {per_token} open event streams here "
             f"(at most {settings.LMSP_MAX_STREAMS_PER_TOKEN}); close one or retry later."
         )
+    if per_owner >= settings.LMSP_MAX_STREAMS_PER_OWNER:
+        raise _overloaded(
+            f"Your tokens already have {per_owner} open event streams here "
+            f"(at most {settings.LMSP_MAX_STREAMS_PER_OWNER}); close one or retry later."
+        )
     _open_streams += 1
     _open_by_token[token_key] = per_token + 1
+    _open_by_owner[owner_key] = per_owner + 1
     released = False
 
     def release() -> None:
@@ -646,13 +666,18 @@ def admit(token_key: object) -> Callable[[], None]:
             return
         released = True
         _open_streams -= 1
-        left = _open_by_token.get(token_key, 1) - 1
-        if left > 0:
-            _open_by_token[token_key] = left
-        else:
-            _open_by_token.pop(token_key, None)
+        _count_down(_open_by_token, token_key)
+        _count_down(_open_by_owner, owner_key)
 
     return release
+
+
+def _count_down(counts: dict[object, int], key: object) -> None:
+    left = counts.get(key, 1) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
 
 
 def _overloaded(detail: str) -> ProblemError:
@@ -667,12 +692,20 @@ def admitted_stream(
     final event, with keep-alive comments while nothing else is sent
     (``: queued N`` while the task waits in its queue); ends early, without a
     final event, when the events it needs are gone or ``access`` ended.
-    Gives its admission back when it ends, or when it is dropped before it
+    Gives its admission back when it ends."""
+    stream = _deliveries(task_id, after, with_events=False, release=release, access=access)
+    return admitted(_frames_only(stream), release)
+
+
+_Stream = TypeVar("_Stream", bound=AsyncGenerator[Any, None])
+
+
+def admitted(stream: _Stream, release: Callable[[], None] | None) -> _Stream:
+    """``stream`` (which calls ``release`` when it ends, or holds what does),
+    made to give the admission back as well when it is dropped before it
     ever started (a client gone before the first byte)."""
-    stream = _frames_only(
-        _deliveries(task_id, after, with_events=False, release=release, access=access)
-    )
-    weakref.finalize(stream, release)
+    if release is not None:
+        weakref.finalize(stream, release)
     return stream
 
 

@@ -131,7 +131,7 @@ async def task_events(request: HttpRequest, task_id: str) -> HttpResponseBase:
             task_status=task.status,
             task_url=f"/lmsp/v1/tasks/{task.id}",
         )
-    release = admit(token.pk)
+    release = admit(token.pk, token.owner_id)
     return StreamingHttpResponse(
         admitted_stream(task.id, after, release, StreamAccess.of(token)),
         content_type="text/event-stream",

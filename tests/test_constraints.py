@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from random import Random
 
 import jsonschema
 import pytest
@@ -11,7 +12,7 @@ import xgrammar as xgr
 from generation import prompts, schemas
 from generation.params import GenerationParams
 from generation.registry import get_model
-from generation.tokens import prompt_tokenizer
+from generation.tokens import PIECE_CHARS, prompt_tokenizer
 from workers import constraints, engine
 from workers.loading import load_model
 
@@ -344,3 +345,43 @@ def test_the_web_prompt_tokenizer_renders_and_counts_like_transformers(lm):
     theirs = lm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert ours == theirs
     assert web.count(ours) == len(tokens(lm, ours))
+
+
+def test_a_long_prompt_is_counted_in_pieces_that_add_up_to_the_whole(lm):
+    """Past ``PIECE_CHARS`` a prompt is counted piece by piece (the tokenizer
+    lets the GIL go and counting stops at the limit); cut before a space that
+    follows a non-space, the pieces count exactly what the whole text does."""
+    web = prompt_tokenizer(lm.spec)
+    random = Random(29)
+    words = [
+        "lighthouse",
+        "keeper",
+        "  double",
+        "\n\nparagraph",
+        "naïve",
+        "👋🏽",
+        "東京タワー",
+        "x=1;",
+        "'s",
+        "don't",
+        "\t tab",
+        "1234567",
+        "--",
+        "###",
+        "   ",
+        "é\u0301",
+    ]
+    text = "".join(
+        random.choice(words) + random.choice([" ", "", "\n", "  "]) for _ in range(40_000)
+    )
+    assert len(text) > 4 * PIECE_CHARS
+    whole = web.count(text)
+    assert whole == len(tokens(lm, text))
+    assert web.count(text, limit=10**9) == whole
+    # Past the limit the count stops early, at a number above it.
+    assert web.count(text, limit=1000) > 1000
+    # A text with no space for pieces on end is cut anywhere: still refused,
+    # and counted exactly when it fits.
+    assert web.count("[{" * 300_000, limit=8191) > 8191
+    one_word = "[{" * (PIECE_CHARS // 2 + 100)
+    assert web.count(one_word, limit=10**9) == web.count(one_word)

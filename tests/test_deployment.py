@@ -111,6 +111,18 @@ def test_secrets_come_from_an_env_file():
 
 
 @pytest.mark.e2e
+def test_the_web_takes_the_tls_proxy_settings_from_the_env_file():
+    """Behind a proxy that terminates TLS (README, "Operations") compose's web
+    gets them from .env, which documents them; the image runs plain HTTP."""
+    web = compose()["services"]["web"]["environment"]
+    example = (ROOT / ".env.example").read_text()
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for name in ("LMSP_BEHIND_TLS_PROXY", "LMSP_CSRF_TRUSTED_ORIGINS", "LMSP_HSTS_SECONDS"):
+        assert web[name].startswith("${" + name + ":-"), name
+        assert f"\n{name}=" in example, name
+    assert "LMSP_BEHIND_TLS_PROXY=0" in dockerfile and "LMSP_HSTS_SECONDS=0" in dockerfile
+
+
 def test_ops_keeps_beat_schedule_in_the_data_dir(stack, tmp_path: Path):
     """The Procfile's ops line, run as honcho runs it (a shell in the checkout),
     with LMSP_DATA_DIR elsewhere: beat writes its schedule there and keeps running."""

@@ -24,6 +24,7 @@ from generation.output import TOOL_OPEN, OutputAssembler
 from generation.params import GenerationParams
 from generation.registry import get_model
 from lmsp_core.errors import ProblemError
+from lmsp_core.jsonbody import loads_strict
 from lmsp_core.rows import as_record, from_row, inserted_columns
 from lmsp_core.status import Status
 from responses_app.models import Response
@@ -235,6 +236,34 @@ def test_revoke_needs_a_whole_prefix():
         authenticate_bearer(f"Bearer {issued.secret}")
 
 
+# --- request bodies -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        # escaped quotes and backslashes before the fault, brackets in strings
+        (r'{"a\"[": {"b": [1, "x\\", NaN]}}', 'a"[.b[2]'),
+        (r'{"k": "[[[[\\", "n": [0, {"m": 1e999}]}', "n[1].m"),
+        (r'{"a": [{"s\u0000": 1}]}', "a[0]"),  # a member name: its object
+        (r'{"s": ["\\ud83d", "\ud83d\ude00", "x\ud83d"]}', "s[2]"),
+        (r'{"a": {"b": 1}, "c": [[' + "[" * 70 + "]" * 72 + "}", "c" + "[0]" * 63),
+    ],
+)
+def test_a_body_fault_is_named_where_it_is(raw, param):
+    """``lmsp_core.jsonbody`` names the member at fault from the raw bytes,
+    escapes and brackets inside strings notwithstanding (LMSP_MAX_JSON_DEPTH
+    is 64)."""
+    with pytest.raises(ProblemError) as refused:
+        loads_strict(raw.encode())
+    assert refused.value.param == param, refused.value.detail
+
+
+def test_escapes_that_only_look_unstorable_are_accepted():
+    raw = r'{"s": "\\u0000 \ud83d\ude00", "t": "\\\"[{"}'
+    assert loads_strict(raw.encode()) == {"s": "\\u0000 \U0001f600", "t": '\\"[{'}
+
+
 # --- settings -----------------------------------------------------------------------
 
 SETUP = "import django; django.setup(); print('started')"
@@ -249,13 +278,24 @@ def django_setup(*drop: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_the_built_in_secret_key_is_refused_outside_development():
+def test_the_built_in_secret_key_is_refused_outside_development(tmp_path):
     refused = django_setup()
     assert refused.returncode != 0 and "LMSP_SECRET_KEY" in refused.stderr
     assert django_setup(LMSP_DEVELOPMENT="1").stdout.strip() == "started"
     assert django_setup(LMSP_SECRET_KEY="a-long-random-value").stdout.strip() == "started"
-    # without DATABASE_URL the run is on this checkout's embedded services: development
-    assert django_setup("DATABASE_URL").stdout.strip() == "started"
+    # Without DATABASE_URL a server may still reach a PostgreSQL on the default
+    # address: only LMSP_DEVELOPMENT=1 makes a run a development run (issue 29).
+    unset = ("DATABASE_URL", "REDIS_URL")
+    empty = tmp_path / "empty"
+    refused = django_setup(*unset, LMSP_DATA_DIR=str(empty))
+    assert refused.returncode != 0 and "LMSP_SECRET_KEY" in refused.stderr
+    # ... or the record of a running scripts/serve, which is one, for the
+    # commands that join its embedded services with nothing exported
+    record = {"DATABASE_URL": "postgresql://x@/lmsp", "REDIS_URL": "redis://x/0"}
+    (tmp_path / "services.json").write_text(
+        json.dumps({**record, "LMSP_DEVELOPMENT": "1", "pid": os.getpid()})
+    )
+    assert django_setup(*unset, LMSP_DATA_DIR=str(tmp_path)).stdout.strip() == "started"
 
 
 POOLED = """

@@ -23,6 +23,7 @@ from django.utils import timezone
 from accounts_app.models import ApiToken
 from accounts_app.services import revoke_token
 from lmsp_core.lean import LeanViews
+from lmsp_project.devstack import free_port
 from tasks_app.retention import prune_events
 
 from .conftest import make_token, request_body
@@ -94,8 +95,6 @@ def test_the_service_serves_its_views_lean():
 @pytest.fixture(scope="module")
 def twins(stack):
     """(lean port, Django port): two more web processes with the same caps."""
-    from lmsp_project.devstack import free_port
-
     procs = []
     for lean in ("1", "0"):
         port = free_port()

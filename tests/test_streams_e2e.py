@@ -19,6 +19,7 @@ from django.contrib.auth import get_user_model
 from django.db import connection, connections, transaction
 
 from lmsp_core.status import FINAL_STATUSES
+from lmsp_project.devstack import free_port
 from responses_app.serializers import validate_response_request
 from responses_app.submit import submit
 from tasks_app import event_reader
@@ -323,11 +324,19 @@ def _reader_waits_for_lock() -> bool:
         return cursor.fetchone()[0] > 0
 
 
-def _raw_stream(port: int, token: str, path: str) -> tuple[socket.socket, int, str]:
-    """An event stream held open on a plain socket: (socket, status, head)."""
+def _raw_stream(
+    port: int, token: str, path: str, body: bytes = b"", headers: str = ""
+) -> tuple[socket.socket, int, str]:
+    """An event stream held open on a plain socket: (socket, status, head).
+    With a ``body``, POSTed as JSON (``headers``: more header lines)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    method = "POST" if body else "GET"
+    if body:
+        headers += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
     sock.sendall(
-        f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n\r\n".encode()
+        f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
+        f"{headers}\r\n".encode()
+        + body
     )
     head = b""
     while b"\r\n\r\n" not in head:
@@ -339,8 +348,6 @@ def _raw_stream(port: int, token: str, path: str) -> tuple[socket.socket, int, s
 
 
 def test_stream_caps_answer_overloaded_problem_documents(api, stack, token, restart_after):
-    from lmsp_project.devstack import free_port
-
     stack.worker.stop()  # the task stays queued: its streams stay open
     task = create_task(api, max_output_tokens=4)
     path = f"/lmsp/v1/tasks/{task['id']}/events"
