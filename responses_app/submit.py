@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 from django.contrib.auth.models import User
+from django.db import IntegrityError
 
 from generation.grammar_limits import CompilerBusy
 from generation.params import GenerationParams
@@ -125,15 +126,25 @@ def start_generation(owner: User, prepared: PreparedGeneration, kind: str) -> Ta
         prompt=prepared.prompt,
         input_tokens=prepared.input_tokens,
     )
-    return services.start_task(
-        owner,
-        prepared.spec,
-        response,
-        prepared.input_tokens,
-        kind=kind,
-        cost=prepared.params.max_output_tokens,
-        follows=prepared.previous.pk if prepared.previous else None,
-    )
+    try:
+        return services.start_task(
+            owner,
+            prepared.spec,
+            response,
+            prepared.input_tokens,
+            kind=kind,
+            cost=prepared.params.max_output_tokens,
+            follows=prepared.previous.pk if prepared.previous else None,
+        )
+    except IntegrityError as exc:
+        if prepared.previous is None:
+            raise
+        # deleted between its lookup and this insert (DELETE /responses/{id})
+        raise ProblemError(
+            "response_not_found",
+            f"No stored response with id {prepared.previous.pk!r}.",
+            param="previous_response_id",
+        ) from exc
 
 
 # Per kind of task: the endpoint that creates it (idempotency keys are per

@@ -18,6 +18,7 @@ from generation.params import GenerationParams
 from generation.registry import get_model
 from lmsp_core.errors import ProblemError
 from lmsp_core.status import Status
+from responses_app.models import Response
 from responses_app.serializers import validate_response_request
 from responses_app.submit import prepare_generation, start_generation
 from tasks_app import lifecycle
@@ -391,3 +392,19 @@ def test_a_follow_up_is_sent_to_the_worker_that_ran_the_turn_before_while_it_has
         assert routing.queue_for(spec, first.response_id) == (spec.queue, False)  # full
     finally:
         heartbeat.forget([spec.id], "models-1@elsewhere")
+
+
+def test_a_previous_response_deleted_before_its_follow_up_is_stored_is_404():
+    """Between the follow-up's lookup of its previous response and its insert,
+    the previous one is erased (``DELETE /responses/{id}``): 404, not 500."""
+    first = new_task(store=True)
+    owner = first.owner
+    request = validate_response_request(
+        request_body("More?", previous_response_id=first.response_id)
+    )
+    prepared = prepare_generation(owner, request)
+    Response.objects.filter(id=first.response_id).delete()
+    with pytest.raises(ProblemError) as refused:
+        start_generation(owner, prepared, TaskKind.TASK)
+    assert refused.value.code == "response_not_found"
+    assert refused.value.param == "previous_response_id"
