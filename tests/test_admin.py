@@ -372,7 +372,8 @@ def test_requeue_action_puts_a_failed_task_back_in_the_queue(
     assert "Re-queued 1 task(s)." in html
     assert f"Task {done.id} is completed; only a failed task can be re-queued." in html
     # once the reset is committed
-    assert sent == [(failed.id, "smollm2:135m", "lmsp.model.smollm2-135m")]
+    # to the model's queue, for any worker (not one worker's own: preferred False)
+    assert sent == [(failed.id, "smollm2:135m", "lmsp.model.smollm2-135m", False)]
     failed.refresh_from_db()
     assert failed.status == Status.QUEUED
     assert failed.attempt == 3  # the fence: workers of attempts 1-3 stay locked out
