@@ -250,6 +250,8 @@ LMSP_MAX_JOB_SECONDS = env_int("LMSP_MAX_JOB_SECONDS", 6 * 3600)
 
 # --- Celery -----------------------------------------------------------------
 CELERY_BROKER_URL = REDIS_URL
+# kombu's Redis transport, kept alive across a Redis restart (see the module).
+CELERY_BROKER_TRANSPORT = "lmsp_core.redis_transport:Transport"
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
 # Long GPU jobs: a message is acknowledged only once its job has ended, and a

@@ -83,3 +83,27 @@ def test_redis_restarted_empty_while_queued_still_completes(api, stack, restart_
     events = read_events(api, task["id"])
     assert_one_contiguous_stream(events, done)
     assert deltas_text(events)
+
+
+def test_redis_restarted_with_eight_generations_running_keeps_the_worker(
+    api, stack, token, restart_after
+):
+    """A Redis restart while the model worker runs 8 jobs (its threads ack
+    and flush meanwhile) leaves that very worker process running: every
+    generation ends with one contiguous stream, a task sent after the restart
+    is served, and the worker answers its control messages again (the
+    fixture's settling asks it)."""
+    pid = stack.worker.process.pid
+    tasks = [create_task(api, input=LONG, max_output_tokens=60, temperature=0) for _ in range(8)]
+    wait_for_events(tasks[0]["id"], 8)
+    stack.stop_redis()
+    assert stack.worker.process.poll() is None
+    stack.start_redis()
+    for task in tasks:
+        done = wait_for(api, task["id"], timeout=300)
+        assert done["status"] in ("completed", "incomplete")
+        assert_one_contiguous_stream(read_events(api, task["id"]), done)
+    after = create_task(api, max_output_tokens=6)
+    done = wait_for(api, after["id"], timeout=180)
+    assert done["status"] in ("completed", "incomplete")
+    assert stack.worker.process.poll() is None and stack.worker.process.pid == pid

@@ -401,9 +401,14 @@ def test_an_owner_over_quota_is_refused_before_any_compile(api, token):
 
 
 def test_a_web_process_runs_a_bounded_number_of_compiles_at_once(stack, token):
-    """One compile at a time, a wait of 0.2 s for it: of three requests with
-    schemas sent together, one is compiled (a compile against the tokenizer
-    takes seconds here) and the others are refused with 503 and Retry-After."""
+    """One compile at a time, a wait of 0.2 s for it: while one schema that
+    takes seconds to compile holds the slot, two requests sent during it are
+    refused with 503 and Retry-After.
+
+    The compile that holds the slot must be slow on purpose: a small schema
+    compiles in about 0.06 s once the process has its tokenizer, less than two
+    requests sent "together" may lie apart on a loaded machine (a CI run saw
+    two of three small ones compiled one after the other)."""
     port = free_port()
     bounded = stack.another_web(
         port,
@@ -411,34 +416,40 @@ def test_a_web_process_runs_a_bounded_number_of_compiles_at_once(stack, token):
         LMSP_GRAMMAR_CONCURRENCY="1",
         LMSP_GRAMMAR_WAIT_SECONDS="0.2",
         LMSP_GRAMMAR_TIMEOUT_SECONDS="60",
+        LMSP_MAX_PATTERN_REPEAT="8000",
     )
-    answers: list[httpx.Response] = []
+    answers: dict[int, httpx.Response] = {}
 
-    def ask(index: int) -> None:
-        schema = {"type": "object", "properties": {f"p{index}": {"type": "string"}}}
+    def ask(index: int, schema: dict) -> None:
         body = request_body(tools=[tool(schema)], tool_choice="required", stream=True)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
             headers = {"Authorization": f"Bearer {token}"}
             with client.stream("POST", "/lmsp/v1/responses", json=body, headers=headers) as answer:
                 if answer.status_code != 200:
                     answer.read()
-                answers.append(answer)  # a stream left at once: its generation is cancelled
+                answers[index] = answer  # a stream left at once: its generation is cancelled
 
+    def small(index: int) -> dict:
+        return {"type": "object", "properties": {f"p{index}": {"type": "string"}}}
+
+    # 3 s or more here (the vocabulary is matched against 8,000 states)
+    slow = {"type": "object", "properties": {"code": {"type": "string", "pattern": "a{8000}"}}}
     bounded.start()
     try:
-        ask(0)  # the process's first compile also reads the tokenizer for the compiler
-        assert [answer.status_code for answer in answers] == [200]
-        answers.clear()
-        asking = [threading.Thread(target=ask, args=(index,)) for index in range(1, 4)]
+        ask(0, small(0))  # the process's first compile also reads the tokenizer for the compiler
+        assert answers.pop(0).status_code == 200
+        holding = threading.Thread(target=ask, args=(1, slow))
+        holding.start()
+        time.sleep(1.0)  # its compile has begun
+        asking = [threading.Thread(target=ask, args=(index, small(index))) for index in (2, 3)]
         for thread in asking:
             thread.start()
-        for thread in asking:
+        for thread in [holding, *asking]:
             thread.join(180)
     finally:
         bounded.stop()
-    statuses = sorted(answer.status_code for answer in answers)
-    assert statuses == [200, 503, 503], statuses
-    for answer in answers:
-        if answer.status_code == 503:
-            assert answer.json()["code"] == "overloaded"
-            assert answer.headers["retry-after"] == "60"
+    assert answers[1].status_code == 200, answers[1].text
+    assert [answers[2].status_code, answers[3].status_code] == [503, 503]
+    for answer in (answers[2], answers[3]):
+        assert answer.json()["code"] == "overloaded"
+        assert answer.headers["retry-after"] == "60"

@@ -14,6 +14,7 @@ constrained answer cannot end invalid, only be cut by the token limit.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -96,17 +97,26 @@ def clear_compiled() -> None:
     _cache.clear()
 
 
+# The web compiled the schema within LMSP_GRAMMAR_TIMEOUT_SECONDS before it
+# accepted the request; here it is compiled again (and serialized) under
+# another load. Twice that time, so that a schema the web accepted near the
+# limit is not failed after its acceptance (seen: 4.9 s in the web, over 5 s
+# in the worker while it decoded).
+WORKER_TIME_FACTOR = 2.0
+
+
 def _compiled(spec: ModelSpec, vocab_size: int, tag: str) -> xgr.CompiledGrammar:
     """The tag compiled against this model's tokenizer: in a child process within
-    ``LMSP_GRAMMAR_TIMEOUT_SECONDS`` / ``LMSP_GRAMMAR_MEMORY_MB``, as the web
-    checked it (raises ``grammar_limits.GrammarError`` otherwise), then kept."""
+    ``WORKER_TIME_FACTOR`` x ``LMSP_GRAMMAR_TIMEOUT_SECONDS`` and
+    ``LMSP_GRAMMAR_MEMORY_MB``, as the web checked it (raises
+    ``grammar_limits.GrammarError`` otherwise), then kept."""
     key = (spec, vocab_size, tag)
     grammar = _cache.get(key)
     if grammar is None:
         info_json = _tokenizer_info_json(spec, vocab_size)
-        [serialized] = grammar_limits.compile_tags(
-            [tag], info_json, grammar_limits_from_settings(), keep=True
-        )
+        limits = grammar_limits_from_settings()
+        limits = dataclasses.replace(limits, seconds=limits.seconds * WORKER_TIME_FACTOR)
+        [serialized] = grammar_limits.compile_tags([tag], info_json, limits, keep=True)
         grammar = xgr.CompiledGrammar.deserialize_json(
             serialized, _tokenizer_info(spec, vocab_size)
         )
