@@ -24,7 +24,7 @@ from typing import Any
 from kombu.transport import redis
 
 
-class Transport(redis.Transport):  # type: ignore[misc]
+class Transport(redis.Transport):
     """The Redis transport whose ``client`` is never reset to None."""
 
     @property
