@@ -120,15 +120,23 @@ def body(model: str, messages: list[dict], tokens: int, **extra: object) -> dict
     }
 
 
-async def first_token(client: httpx.AsyncClient, request: dict) -> float:
-    """Seconds from sending a streamed request to its first text delta."""
+async def first_token(client: httpx.AsyncClient, request: dict, or_end: bool = False) -> float:
+    """Seconds from sending a streamed request to its first text delta (with
+    ``or_end``, or to its end if that comes first: the model may end at once)."""
     started = time.perf_counter()
+    seen = []
     async with client.stream("POST", "/lmsp/v1/responses", json={**request, "stream": True}) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
-            if line == "event: response.output_text.delta":
+            if not line.startswith("event: "):
+                continue
+            seen.append(line[7:])
+            if line == "event: response.output_text.delta" or (or_end and line in ENDS):
                 return time.perf_counter() - started
-    raise RuntimeError("no text came")
+    raise RuntimeError(f"no text came: {seen}")
+
+
+ENDS = {"event: response.completed", "event: response.incomplete"}
 
 
 # --- 1. follow-up -------------------------------------------------------------------------
@@ -179,7 +187,8 @@ async def join(client: httpx.AsyncClient, text: Text, model: str) -> tuple[float
     while min(len(arrivals) for arrivals in streams) < 8:
         await asyncio.sleep(0.05)
     joined = time.perf_counter()
-    await first_token(client, body(model, [message("user", text.of(JOIN_TOKENS))], 4))
+    # its prefill has ended by its first token (or its end, if the model ends at once)
+    await first_token(client, body(model, [message("user", text.of(JOIN_TOKENS))], 4), or_end=True)
     prefilled = time.perf_counter()
     await asyncio.sleep(1.0)
     for task in tasks:
@@ -223,10 +232,11 @@ def memory(budget: int | None, prompts: list[list[int]]) -> tuple[int, int, floa
 # --- the rounds ----------------------------------------------------------------------------
 
 
-async def http_rounds(service: Service, rounds: int, only: set[str]) -> dict[str, list[float]]:
+async def http_rounds(
+    service: Service, token: str, rounds: int, only: set[str]
+) -> dict[str, list[float]]:
     ratios: dict[str, list[float]] = {name: [] for name in ("follow_up", "system", "join")}
     timeout = httpx.Timeout(600, connect=10)
-    token = service.token("bench-engine", ["responses:write", "responses:read"])
     async with httpx.AsyncClient(
         base_url=service.base_url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout
     ) as client:
@@ -313,7 +323,8 @@ def main() -> int:
             cache = Path(os.environ.get("LMSP_MODEL_CACHE", ROOT / ".data" / "models"))
             registry.write_text(models_file(cache / "smollm2-135m"))
             with procfile_service(LMSP_MODELS_FILE=str(registry)) as service:
-                results = asyncio.run(http_rounds(service, args.rounds, only))
+                token = service.token("bench-engine", ["responses:write", "responses:read"])
+                results = asyncio.run(http_rounds(service, token, args.rounds, only))
     else:
         import django
 

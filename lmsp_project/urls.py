@@ -19,7 +19,9 @@ def api_not_found(request, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, AN
 api = "lmsp/v1/"
 urlpatterns = [
     path("metrics", ops.metrics),
-    path("healthz", ops.healthz),
+    path("livez", ops.livez),
+    path("readyz", ops.readyz),
+    path("healthz", ops.readyz),  # the name compose files and older checks use
     path("admin/lmsp/", include("ops_app.admin_views")),
     path("admin/", admin.site.urls),
     # The admin's CSS and scripts, from the installed apps, without a separate

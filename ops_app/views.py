@@ -1,4 +1,7 @@
-"""``GET /metrics`` for Prometheus, and ``GET /healthz`` for container checks.
+"""``GET /metrics`` for Prometheus; ``GET /livez`` and ``GET /readyz`` (and
+``/healthz``, the same as ``/readyz``) for load balancers, Kubernetes probes
+and compose health checks: no token, and nothing in the answer but the
+state of this process and of what it needs.
 
 ``/metrics`` needs a bearer token with the ``metrics:read`` scope. Each
 scrape builds a registry holding only ``LmspCollector``: no per-process
@@ -7,7 +10,7 @@ numbers, so any web process gives the same answer.
 
 from __future__ import annotations
 
-from django.db import connection
+from django.db import DatabaseError, connection
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.http import require_GET
 from prometheus_client import CollectorRegistry
@@ -15,6 +18,7 @@ from prometheus_client.exposition import choose_encoder
 
 from accounts_app.services import authenticate_bearer, require_scope
 from lmsp_core.errors import ProblemError, problem_response
+from lmsp_core.redis_client import REDIS_ERRORS, redis_client
 
 from .collector import LmspCollector
 
@@ -36,8 +40,34 @@ def metrics(request: HttpRequest) -> HttpResponse:
 
 
 @require_GET
-def healthz(request: HttpRequest) -> HttpResponse:
-    """200 when this web process can reach PostgreSQL (no token: for health checks)."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT 1")
+def livez(request: HttpRequest) -> HttpResponse:
+    """200 while this web process answers at all (a liveness probe: restart
+    it when this fails); it checks nothing else, so that an outage of
+    PostgreSQL or Redis never gets every web process restarted."""
     return HttpResponse("ok\n", content_type="text/plain")
+
+
+def _database_reachable() -> bool:
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+    except DatabaseError:
+        return False
+    return True
+
+
+def _redis_reachable() -> bool:
+    try:
+        return bool(redis_client().ping())
+    except REDIS_ERRORS:
+        return False
+
+
+@require_GET
+def readyz(request: HttpRequest) -> HttpResponse:
+    """200 when this web process reaches PostgreSQL and Redis (a readiness
+    probe: send it requests), else 503; the body names each check's state."""
+    checks = {"database": _database_reachable(), "redis": _redis_reachable()}
+    body = "".join(f"{name} {'ok' if ok else 'unreachable'}\n" for name, ok in checks.items())
+    status = 200 if all(checks.values()) else 503
+    return HttpResponse(body, status=status, content_type="text/plain")

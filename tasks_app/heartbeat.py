@@ -92,6 +92,18 @@ def serving_workers() -> dict[str, list[Beat]]:
     return dict(served)
 
 
+def served_elsewhere(model_ids: Iterable[str], worker: str) -> bool:
+    """Whether another worker than ``worker`` beats for each of ``model_ids``
+    (a draining worker's successor is up); False when Redis cannot say."""
+    try:
+        served = serving_workers()
+    except redis.RedisError:
+        return False
+    return all(
+        any(found.worker != worker for found in served.get(model_id, [])) for model_id in model_ids
+    )
+
+
 class Heartbeat:
     """A daemon thread beating for one worker until ``stop``."""
 

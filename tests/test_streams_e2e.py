@@ -70,6 +70,7 @@ class Follower(threading.Thread):
         )
         self.base_url = f"http://127.0.0.1:{port or stack.port}"
         self.events: list[dict] = []
+        self.arrivals: list[float] = []  # time.monotonic() of each event's arrival
         self.status: int | None = None
         self.error: BaseException | None = None
         self.start()
@@ -84,7 +85,9 @@ class Follower(threading.Thread):
                         buffer += chunk
                         *blocks, buffer = buffer.split("\n\n")
                         if blocks:
-                            self.events += parse_sse("\n\n".join(blocks) + "\n\n")
+                            arrived = parse_sse("\n\n".join(blocks) + "\n\n")
+                            self.arrivals += [time.monotonic()] * len(arrived)
+                            self.events += arrived
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             self.error = exc
 

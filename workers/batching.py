@@ -202,6 +202,7 @@ class BatchingEngine:
         self._generations: dict[int, tuple[Generation, TokenCallback | None]] = {}
         self._wakeup = threading.Condition()
         self._closing = False
+        self._draining = False
         self._thread = threading.Thread(
             target=self._loop, name=name or f"batching-{spec.id}", daemon=True
         )
@@ -284,6 +285,18 @@ class BatchingEngine:
             peak_allocated_tokens=self.runner.store.peak_allocated_tokens,
         )
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def drain(self) -> None:
+        """Preempt every generation at the next step, and every one submitted
+        after: the worker is stopping. Each ends ``preempted``, and its caller
+        hands it back to the queue, from its tokens so far, for another worker."""
+        with self._wakeup:
+            self._draining = True
+            self._wakeup.notify()
+
     def close(self, timeout: float | None = None) -> None:
         """Stop the engine thread after its current step; unfinished requests end
         as ``cancelled``."""
@@ -308,6 +321,8 @@ class BatchingEngine:
                 for request in arrived:
                     scheduler.add(request)
                 self._abort_cancelled()
+                if self._draining:
+                    self._preempt_all()
                 plan = scheduler.schedule()
                 for request in plan.ended:
                     self._end(request)
@@ -338,6 +353,11 @@ class BatchingEngine:
                 self.scheduler.abort(request, RequestStatus.CANCELLED)
                 self._end(request)
 
+    def _preempt_all(self) -> None:
+        for request in [*self.scheduler.waiting, *self.scheduler.running]:
+            self.scheduler.abort(request, RequestStatus.PREEMPTED)
+            self._end(request)
+
     def _deliver(self, request: Request, token_id: int | None) -> None:
         """Hand a step's token to its caller, and end the generation if the
         request has ended."""
@@ -366,6 +386,18 @@ class BatchingEngine:
 
 _engines: dict[str, BatchingEngine] = {}
 _engines_lock = threading.Lock()
+
+
+def engines() -> list[BatchingEngine]:
+    """This process's engines, one per model it has served."""
+    with _engines_lock:
+        return list(_engines.values())
+
+
+def drain_all() -> None:
+    """Drain every engine of this process (``BatchingEngine.drain``)."""
+    for engine in engines():
+        engine.drain()
 
 
 def engine_for(lm: LoadedModel, max_batch: int = 8) -> BatchingEngine:

@@ -333,7 +333,8 @@ class Scheduler:
         self, request: Request, status: RequestStatus, error: BaseException | None = None
     ) -> None:
         """End ``request`` now with a finished ``status`` (cancelled, stopped by
-        its caller, failed); a no-op once it has finished."""
+        its caller, failed, preempted by a draining worker); a no-op once it
+        has finished."""
         if request.status.finished:
             return
         if request.status == RequestStatus.WAITING:

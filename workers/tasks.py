@@ -1,15 +1,21 @@
 """Celery jobs: short shells around plain functions tested without Celery."""
 
+import logging
+import threading
+import time
 from typing import Any
 
 from celery import shared_task
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
+from django.conf import settings
 
 from ops_app import recorders
 from responses_app.retention import prune_history
 from tasks_app import heartbeat, lifecycle
 
 from . import runner
+
+log = logging.getLogger(__name__)
 
 
 @shared_task(name="workers.tasks.run_task")
@@ -97,6 +103,38 @@ class EngineReport:
             # room for a conversation's next turn (tasks_app.routing)
             "free_slots": spec.max_batch - stats.running - stats.waiting,
         }
+
+
+@worker_shutting_down.connect
+def drain(**_: object) -> None:
+    """SIGTERM (or Ctrl-C): Celery stops taking jobs and waits for the running
+    ones; this makes them end soon. The worker stops beating (no follow-up is
+    routed here, its readiness goes), and once another worker beats for each
+    model it serves, or after ``LMSP_DRAIN_WAIT_SECONDS``, its engines preempt
+    every generation: each job writes its checkpoint and hands its task back
+    to the queue, first in the fair order, for another worker to continue
+    (``lifecycle.hand_back``). Until then its generations go on, so that a
+    rolling deploy's new worker, started at the same moment, takes them over
+    with no wait longer than its own start. The ops worker serves no model:
+    nothing to do."""
+    if _heartbeat is None:
+        return
+    threading.Thread(target=_hand_over, args=(_heartbeat,), name="lmsp-drain", daemon=True).start()
+
+
+def _hand_over(beating: heartbeat.Heartbeat) -> None:
+    from .batching import drain_all, engines
+
+    beating.stop()
+    deadline = time.monotonic() + settings.LMSP_DRAIN_WAIT_SECONDS
+    while time.monotonic() < deadline:
+        if not any(engine.running or engine.waiting for engine in engines()):
+            break  # nothing to hand over
+        if heartbeat.served_elsewhere(beating.model_ids, beating.worker):
+            break
+        time.sleep(0.2)
+    log.warning("Draining: handing every generation back to the queue")
+    drain_all()
 
 
 @worker_shutdown.connect

@@ -1,0 +1,132 @@
+"""Deploys nobody notices: a model worker told to stop (SIGTERM, as compose,
+systemd and Kubernetes stop a process) hands every generation it holds to
+the worker started in its place, and the followers see no gap."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tasks_app.models import Task
+
+from .conftest import user_message
+from .stack import Proc
+from .test_streams_e2e import Follower, _pg_start, _pg_stop
+from .test_tasks_e2e import assert_one_contiguous_stream, create_task, read_events, wait_for
+
+pytestmark = pytest.mark.e2e
+
+STORY = [user_message("Tell me a long story about a lighthouse keeper and the sea.")]
+
+
+def a_worker(stack, name: str) -> Proc:
+    """Another model-worker process on the stack's PostgreSQL and Redis, as a
+    second host (or the next version of a deploy) runs it."""
+    return Proc(
+        f"{name}-{stack.port}", [sys.executable, "-m", "workers.serve"], stack.env, ready=" ready."
+    )
+
+
+def test_a_drained_worker_hands_eight_generations_to_the_worker_started_beside_it(
+    api, stack, token, restart_after
+):
+    tasks = [create_task(api, input=STORY, max_output_tokens=200, temperature=0) for _ in range(8)]
+    followers = [Follower(stack, token, f"/lmsp/v1/tasks/{task['id']}/events") for task in tasks]
+    for follower in followers:
+        follower.wait_for(6, timeout=120)  # all 8 are generating
+    old = stack.worker.process
+    successor = a_worker(stack, "successor")
+    starting = threading.Thread(target=successor.start)
+    try:
+        signalled = time.monotonic()
+        old.send_signal(signal.SIGTERM)  # as a rolling deploy does, the new one at once
+        starting.start()
+        old.wait(30)
+        exited = time.monotonic() - signalled
+        starting.join(120)
+        for task, follower in zip(tasks, followers, strict=True):
+            done = wait_for(api, task["id"], timeout=300)
+            assert done["status"] in ("completed", "incomplete")
+            events = follower.finish()
+            assert events == read_events(api, task["id"])  # every event once, in order
+            assert_one_contiguous_stream(events, done)
+            gaps = [b - a for a, b in zip(follower.arrivals, follower.arrivals[1:], strict=False)]
+            assert max(gaps) <= 5, f"a follower waited {max(gaps):.1f} s"
+        workers = {Task.objects.get(id=task["id"]).worker for task in tasks}
+    finally:
+        successor.stop()
+    assert exited <= 15, f"the drained worker exited after {exited:.1f} s"
+    assert all(Task.objects.get(id=task["id"]).handed_back == 1 for task in tasks)
+    assert workers == {f"models-{successor.process.pid}@{socket.gethostname()}"}
+
+
+def test_the_web_probes_answer_as_documented_with_each_dependency_stopped_in_turn(
+    stack, restart_after
+):
+    """``/livez``: the process answers (nothing else is checked, so an outage
+    never gets every web process restarted); ``/readyz`` (and ``/healthz``):
+    PostgreSQL and Redis reachable, else 503 naming which is not. No token."""
+    with httpx.Client(base_url=stack.base_url, timeout=60) as client:
+        for path in ("/readyz", "/healthz"):
+            ready = client.get(path)
+            assert (ready.status_code, ready.text) == (200, "database ok\nredis ok\n")
+        stack.stop_redis()
+        try:
+            answer = client.get("/readyz")
+            assert (answer.status_code, answer.text) == (503, "database ok\nredis unreachable\n")
+            assert client.get("/livez").status_code == 200
+        finally:
+            stack.start_redis()
+        _pg_stop()
+        try:
+            answer = client.get("/readyz")
+            assert (answer.status_code, answer.text) == (503, "database unreachable\nredis ok\n")
+            assert client.get("/livez").text == "ok\n"
+        finally:
+            _pg_start()
+        deadline = time.monotonic() + 30
+        while client.get("/readyz").status_code != 200:
+            assert time.monotonic() < deadline, "not ready again after the restarts"
+            time.sleep(0.5)
+
+
+def test_two_workers_share_a_queue_and_either_may_die(api, stack, token, restart_after):
+    """Two model workers of one model, as two hosts run them: tasks spread
+    over both, and a kill -9 of one leaves every generation complete, with
+    one contiguous stream each (the other, or the one started again,
+    continues what the dead one held once its leases expire)."""
+    second = a_worker(stack, "second")
+    second.start()
+    try:
+        tasks = [
+            create_task(api, input=STORY, max_output_tokens=60, temperature=0) for _ in range(12)
+        ]
+        followers = [
+            Follower(stack, token, f"/lmsp/v1/tasks/{task['id']}/events") for task in tasks
+        ]
+        deadline = time.monotonic() + 120
+        while True:  # both workers hold some of them
+            held = set(
+                Task.objects.filter(id__in=[t["id"] for t in tasks], status="in_progress")
+                .exclude(worker="")
+                .values_list("worker", flat=True)
+            )
+            if len(held) == 2:
+                break
+            assert time.monotonic() < deadline, f"held by {held}"
+            time.sleep(0.1)
+        second.kill()  # SIGKILL, mid-generation
+        for task, follower in zip(tasks, followers, strict=True):
+            done = wait_for(api, task["id"], timeout=300)
+            assert done["status"] in ("completed", "incomplete")
+            events = follower.finish(timeout=300)
+            assert events == read_events(api, task["id"])
+            assert_one_contiguous_stream(events, done)
+    finally:
+        second.stop()
