@@ -243,27 +243,21 @@ async def http_rounds(
         for r in range(rounds):
             text = Text(seed=r)
             order = (0, 1) if r % 2 == 0 else (1, 0)  # which variant goes first
-            if "follow_up" in only:
+            cached = (
+                ("follow_up", "follow-up", follow_up),
+                ("system", "repeated system prompt", system_prompt),
+            )
+            for name, label, measure in cached:
+                if name not in only:
+                    continue
                 runs = {}
                 for i in order:
                     model = (MODEL, NO_CACHE)[i]
-                    runs[model] = await follow_up(client, text, model)
-                ratios["follow_up"].append(runs[MODEL] / runs[NO_CACHE])
+                    runs[model] = await measure(client, text, model)
+                ratios[name].append(runs[MODEL] / runs[NO_CACHE])
                 print(
-                    f"round {r + 1} follow-up TTFT: cache {runs[MODEL] * 1000:.0f} ms, "
-                    f"cold {runs[NO_CACHE] * 1000:.0f} ms, {ratios['follow_up'][-1]:.3f}x",
-                    flush=True,
-                )
-            if "system" in only:
-                runs = {}
-                for i in order:
-                    model = (MODEL, NO_CACHE)[i]
-                    runs[model] = await system_prompt(client, text, model)
-                ratios["system"].append(runs[MODEL] / runs[NO_CACHE])
-                print(
-                    f"round {r + 1} repeated system prompt TTFT: cache "
-                    f"{runs[MODEL] * 1000:.0f} ms, cold {runs[NO_CACHE] * 1000:.0f} ms, "
-                    f"{ratios['system'][-1]:.3f}x",
+                    f"round {r + 1} {label} TTFT: cache {runs[MODEL] * 1000:.0f} ms, "
+                    f"cold {runs[NO_CACHE] * 1000:.0f} ms, {ratios[name][-1]:.3f}x",
                     flush=True,
                 )
             if "join" in only:

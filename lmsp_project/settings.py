@@ -250,7 +250,7 @@ LMSP_MAX_JOB_SECONDS = env_int("LMSP_MAX_JOB_SECONDS", 6 * 3600)
 # A model worker told to stop (SIGTERM) hands its generations back to the
 # queue once another worker serves its models, or after this long (keep it
 # below the supervisor's grace period: compose's stop_grace_period).
-LMSP_DRAIN_WAIT_SECONDS = env_float("LMSP_DRAIN_WAIT_SECONDS", 8.0)
+LMSP_DRAIN_WAIT_SECONDS = env_float("LMSP_DRAIN_WAIT_SECONDS", 10.0)
 
 # --- Celery -----------------------------------------------------------------
 CELERY_BROKER_URL = REDIS_URL

@@ -122,9 +122,7 @@ class Stack:
         }
         python = sys.executable
         self.web = self.another_web(self.port)
-        self.worker = Proc(
-            f"worker-{self.port}", [python, "-m", "workers.serve"], self.env, ready=" ready."
-        )
+        self.worker = self.another_worker("worker")
         self.ops = Proc(
             f"ops-{self.port}",
             [
@@ -154,12 +152,20 @@ class Stack:
         """A web process on ``port`` with the stack's database, Redis and
         settings, and ``settings`` on top (not started)."""
         argv = [sys.executable, "-m", "uvicorn", "lmsp_project.asgi:application"]
+        # as the Procfile runs it: open streams are closed 5 s after a SIGTERM
+        options = ["--no-access-log", "--timeout-graceful-shutdown", "5"]
         return Proc(
             f"{name}-{port}",
-            [*argv, "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
+            [*argv, "--host", "127.0.0.1", "--port", str(port), *options],
             {**self.env, **settings},
             ready="Application startup complete",
         )
+
+    def another_worker(self, name: str) -> Proc:
+        """A model-worker process on the stack's database, Redis and settings,
+        as a second host (or the next version of a deploy) runs it (not started)."""
+        argv = [sys.executable, "-m", "workers.serve"]
+        return Proc(f"{name}-{self.port}", argv, self.env, ready=" ready.")
 
     @property
     def base_url(self) -> str:

@@ -258,6 +258,59 @@ def test_stream_yields_the_tokens_then_ends(lm, requests, batching):
     assert gen.done
 
 
+def test_a_draining_engine_preempts_every_generation_and_every_later_one(lm, requests):
+    """A worker told to stop drains its engine: what runs and what waits ends
+    ``preempted`` with the tokens it has (its job hands it back), and so does
+    whatever is submitted after."""
+    batching = BatchingEngine(lm, max_batch=1)
+    try:
+        # "Count from one to ten in words." answers in far more tokens than
+        # the engine makes between the first one and the drain
+        (first, _, alone), (second, _, _) = requests[5], requests[6]
+        running = batching.submit(first, greedy(400))
+        waiting = batching.submit(second, greedy(400))  # no room: it waits
+        started = next(running.stream(timeout=120))
+        batching.drain()
+        assert running.wait(60) and waiting.wait(60)
+        assert (running.finish_reason, waiting.finish_reason) == ("preempted", "preempted")
+        assert running.token_ids[0] == started
+        assert 1 <= len(running.token_ids) < len(alone)
+        assert running.token_ids == alone[: len(running.token_ids)]  # its tokens so far
+        assert waiting.token_ids == []
+        later = batching.submit(first, greedy(4))
+        assert later.wait(60) and later.finish_reason == "preempted"
+    finally:
+        batching.close(timeout=60)
+
+
+def test_a_request_cancelled_alone_leaves_its_prefix_for_the_next_one(lm, requests):
+    """A request cancelled with nothing else running ends in a step that
+    computes nothing; what it computed still goes to the prefix cache, and the
+    next request with its prompt adopts it and answers as alone (a CI run
+    failed that request with KeyError: the cache said the entry was there,
+    the model runner never got it)."""
+    batching = BatchingEngine(lm, max_batch=2)
+    try:
+        ids, _, alone = requests[5]
+        submitted: list[Generation] = []
+
+        def cancel_after_the_first_token(_: int) -> None:
+            # on the engine thread, after this token's check: the cancel is
+            # found at the start of the next step, which then computes nothing
+            submitted[0].cancel()
+
+        submitted.append(batching.submit(ids, greedy(400), cancel_after_the_first_token))
+        cancelled = submitted[0]
+        assert cancelled.wait(60) and cancelled.finish_reason == "cancelled"
+        assert len(cancelled.token_ids) == 1
+        again = batching.submit(ids, greedy(len(alone)))
+        assert again.wait(120) and again.error is None, again.error
+        assert again.cached_tokens > 0
+        assert again.token_ids == alone
+    finally:
+        batching.close(timeout=60)
+
+
 def test_one_engine_per_loaded_model(lm):
     first = engine_for(lm)
     try:

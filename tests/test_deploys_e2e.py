@@ -6,31 +6,23 @@ from __future__ import annotations
 
 import signal
 import socket
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
+from lmsp_project.devstack import free_port
 from tasks_app.models import Task
 
 from .conftest import user_message
-from .stack import Proc
+from .test_deployment import manage
 from .test_streams_e2e import Follower, _pg_start, _pg_stop
 from .test_tasks_e2e import assert_one_contiguous_stream, create_task, read_events, wait_for
 
 pytestmark = pytest.mark.e2e
 
 STORY = [user_message("Tell me a long story about a lighthouse keeper and the sea.")]
-
-
-def a_worker(stack, name: str) -> Proc:
-    """Another model-worker process on the stack's PostgreSQL and Redis, as a
-    second host (or the next version of a deploy) runs it."""
-    return Proc(
-        f"{name}-{stack.port}", [sys.executable, "-m", "workers.serve"], stack.env, ready=" ready."
-    )
 
 
 def test_a_drained_worker_hands_eight_generations_to_the_worker_started_beside_it(
@@ -41,7 +33,7 @@ def test_a_drained_worker_hands_eight_generations_to_the_worker_started_beside_i
     for follower in followers:
         follower.wait_for(6, timeout=120)  # all 8 are generating
     old = stack.worker.process
-    successor = a_worker(stack, "successor")
+    successor = stack.another_worker("successor")
     starting = threading.Thread(target=successor.start)
     try:
         signalled = time.monotonic()
@@ -66,12 +58,11 @@ def test_a_drained_worker_hands_eight_generations_to_the_worker_started_beside_i
     assert workers == {f"models-{successor.process.pid}@{socket.gethostname()}"}
 
 
-def test_the_web_probes_answer_as_documented_with_each_dependency_stopped_in_turn(
-    stack, restart_after
-):
+def test_the_probes_answer_as_documented_with_each_dependency_stopped_in_turn(stack, restart_after):
     """``/livez``: the process answers (nothing else is checked, so an outage
     never gets every web process restarted); ``/readyz`` (and ``/healthz``):
-    PostgreSQL and Redis reachable, else 503 naming which is not. No token."""
+    PostgreSQL and Redis reachable, else 503 naming which is not. No token.
+    A model worker's probe (``lmsp_health worker``): its heartbeat, in Redis."""
     with httpx.Client(base_url=stack.base_url, timeout=60) as client:
         for path in ("/readyz", "/healthz"):
             ready = client.get(path)
@@ -81,6 +72,8 @@ def test_the_web_probes_answer_as_documented_with_each_dependency_stopped_in_tur
             answer = client.get("/readyz")
             assert (answer.status_code, answer.text) == (503, "database ok\nredis unreachable\n")
             assert client.get("/livez").status_code == 200
+            worker = manage(stack, "lmsp_health", "worker")
+            assert worker.returncode == 1 and "Redis cannot be asked" in worker.stderr
         finally:
             stack.start_redis()
         _pg_stop()
@@ -88,6 +81,8 @@ def test_the_web_probes_answer_as_documented_with_each_dependency_stopped_in_tur
             answer = client.get("/readyz")
             assert (answer.status_code, answer.text) == (503, "database unreachable\nredis ok\n")
             assert client.get("/livez").text == "ok\n"
+            worker = manage(stack, "lmsp_health", "worker")  # it beats: its model is loaded
+            assert worker.returncode == 0, worker.stderr
         finally:
             _pg_start()
         deadline = time.monotonic() + 30
@@ -101,7 +96,7 @@ def test_two_workers_share_a_queue_and_either_may_die(api, stack, token, restart
     over both, and a kill -9 of one leaves every generation complete, with
     one contiguous stream each (the other, or the one started again,
     continues what the dead one held once its leases expire)."""
-    second = a_worker(stack, "second")
+    second = stack.another_worker("second")
     second.start()
     try:
         tasks = [
@@ -130,3 +125,29 @@ def test_two_workers_share_a_queue_and_either_may_die(api, stack, token, restart
             assert_one_contiguous_stream(events, done)
     finally:
         second.stop()
+
+
+def test_a_web_process_told_to_stop_closes_its_streams_and_they_resume_elsewhere(api, stack, token):
+    """SIGTERM to a web process: it stops accepting, and closes the streams
+    still open after 5 s (``--timeout-graceful-shutdown``, as the Procfile
+    runs it) without a final event; a follower resumes on another web
+    process after its last id and misses nothing."""
+    port = free_port()
+    stopping = stack.another_web(port, "web-stopping")
+    stopping.start()
+    task = create_task(api, input=STORY, max_output_tokens=300, temperature=0)
+    follower = Follower(stack, token, f"/lmsp/v1/tasks/{task['id']}/events", port=port)
+    follower.wait_for(5, timeout=120)
+    signalled = time.monotonic()
+    stopping.process.send_signal(signal.SIGTERM)
+    stopping.process.wait(30)
+    stopped = time.monotonic() - signalled
+    follower.join(30)
+    assert not follower.is_alive()
+    seen = list(follower.events)
+    assert seen[-1]["event"] not in ("response.completed", "response.incomplete")
+    assert Task.objects.get(id=task["id"]).status == "in_progress"  # cut, not ended
+    rest = read_events(api, task["id"], headers={"Last-Event-ID": str(seen[-1]["id"])})
+    done = wait_for(api, task["id"], timeout=300)
+    assert_one_contiguous_stream(seen + rest, done)
+    assert stopped <= 5 + 5, f"the web process took {stopped:.1f} s to stop"

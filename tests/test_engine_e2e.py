@@ -10,7 +10,6 @@ answers cannot be held together.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
 
@@ -24,7 +23,7 @@ from tasks_app.models import Event, Task
 from workers.loading import load_model
 
 from .conftest import LONG_STORY, deltas_text, parse_sse, request_body, user_message
-from .stack import Proc, Stack
+from .stack import Stack
 from .test_batching import generate_alone
 
 pytestmark = pytest.mark.e2e
@@ -228,12 +227,7 @@ def test_a_follow_up_is_served_by_the_worker_that_ran_the_turn_before(small_stac
     conversation's next turn runs where its first turn's cache is."""
     from tasks_app import heartbeat
 
-    second = Proc(
-        f"worker2-{small_stack.port}",
-        [sys.executable, "-m", "workers.serve"],
-        small_stack.env,
-        ready=" ready.",
-    )
+    second = small_stack.another_worker("worker2")
     second.start()
     try:
         deadline = time.monotonic() + 60

@@ -45,14 +45,14 @@ def wait_for(client, task_id: str, statuses=FINAL, timeout: float = 300) -> dict
 
 class Blocker:
     """Long generations of an owner of their own that fill every batch slot of
-    the one worker (``max_batch``), so that the others' tasks wait."""
+    the ``workers`` workers (``max_batch`` each), so that the others' tasks wait."""
 
-    def __init__(self, stack) -> None:
+    def __init__(self, stack, workers: int = 1) -> None:
         self.client = stack.client(make_token("blocker"))
         request = request_body(input=[user_message(LONG_STORY)], max_output_tokens=400)
         self.tasks = [
             self.client.post("/lmsp/v1/tasks", json={"type": "response", "request": request}).json()
-            for _ in range(get_model("smollm2:135m").max_batch)
+            for _ in range(workers * get_model("smollm2:135m").max_batch)
         ]
         for task in self.tasks:
             wait_for(self.client, task["id"], {"in_progress"} | FINAL)
@@ -87,9 +87,23 @@ def test_a_newcomer_is_served_before_a_backlog(stack):
 
 
 def test_four_owners_of_unequal_demand_get_equal_shares_of_tokens(stack):
+    four_owners_get_equal_shares(stack, workers=1)
+
+
+def test_four_owners_get_equal_shares_across_two_workers(stack):
+    """The fair order holds across two workers claiming from one queue."""
+    second = stack.another_worker("fair-second")
+    second.start()
+    try:
+        four_owners_get_equal_shares(stack, workers=2)
+    finally:
+        second.stop()
+
+
+def four_owners_get_equal_shares(stack, workers: int) -> None:
     demand = {"heavy": 6, "large": 5, "medium": 4, "light": 3}  # light submits last
     clients = {name: stack.client(make_token(name)) for name in demand}
-    blocker = Blocker(stack)
+    blocker = Blocker(stack, workers)
     tasks = {name: [post_task(clients[name])["id"] for _ in range(n)] for name, n in demand.items()}
     blocker.release()
     for name, ids in tasks.items():

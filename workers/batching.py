@@ -328,7 +328,11 @@ class BatchingEngine:
                     self._end(request)
                 if not plan.chunks:
                     # Nothing admitted can wait on memory with nothing running: a
-                    # prompt larger than the whole budget fails instead.
+                    # prompt larger than the whole budget fails instead. What
+                    # ended meanwhile still moves its memory (a request
+                    # cancelled alone leaves its prefix in the cache, which the
+                    # next request with that prefix adopts).
+                    self.runner.apply(plan.memory_ops)
                     continue
                 try:
                     result = self.runner.execute(plan)

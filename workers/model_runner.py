@@ -37,7 +37,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from .scheduler import Adopt, Chunk, Evict, Release, Request, StepPlan
+from .scheduler import Adopt, Chunk, Evict, MemoryOp, Release, Request, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -242,11 +242,16 @@ class ModelRunner:
         )
         self._bitmask = xgr.allocate_token_bitmask(max_batch, self.vocab_size)
 
+    def apply(self, memory_ops: list[MemoryOp]) -> None:
+        """Move memory as the scheduler decided: adopt cached prefixes, keep or
+        free what ended requests held, evict cache entries."""
+        for op in memory_ops:
+            self.store.apply(op)
+
     def execute(self, plan: StepPlan) -> StepResult:
         """Apply the plan's memory operations, compute its chunks, and sample
         for the chunks that end their request's input."""
-        for op in plan.memory_ops:
-            self.store.apply(op)
+        self.apply(plan.memory_ops)
         failed: dict[int, BaseException] = {}
         chunks = [chunk for chunk in plan.chunks if self._start_matcher(chunk, failed)]
         if not chunks:

@@ -43,6 +43,10 @@ def main() -> None:
             worker_name(),
             "--loglevel",
             os.environ.get("LMSP_LOG_LEVEL", "INFO"),
+            # Nothing here uses what workers tell each other at start (mingle:
+            # revoked ids, a second of the start) or after (gossip).
+            "--without-mingle",
+            "--without-gossip",
             *sys.argv[1:],
         ]
     )

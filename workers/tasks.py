@@ -65,15 +65,18 @@ def serve_models(sender: Any, **_: object) -> None:  # celery's WorkController
     served = [spec for spec in available_models().values() if spec.queue in queues]
     for spec in served:
         engine_for(load_model(spec), spec.max_batch)
-    if served:  # grammars compile in children of a fork server: start it now
-        from generation import grammar_limits
-
-        grammar_limits.warm()
     if served:
+        # Beating says the models are loaded: a draining worker hands its
+        # generations over to this one from now on.
         _heartbeat = heartbeat.Heartbeat(
             [spec.id for spec in served], sender.hostname, EngineReport()
         )
         _heartbeat.start()
+        # Grammars compile in children of a fork server: start it now, beside
+        # the first jobs rather than before them (about 3 s here).
+        from generation import grammar_limits
+
+        threading.Thread(target=grammar_limits.warm, name="lmsp-grammar-warm", daemon=True).start()
 
 
 class EngineReport:
