@@ -10,6 +10,7 @@ at once, decoded together by the model's batching engine.
 
 import os
 import sys
+import threading
 
 
 def main() -> None:
@@ -17,6 +18,7 @@ def main() -> None:
     import django
 
     django.setup()
+    from generation import grammar_limits
     from generation.registry import served_models
     from lmsp_core.celery_app import app
 
@@ -25,6 +27,12 @@ def main() -> None:
     served = served_models()
     if not served:
         sys.exit("No model to serve: none of models.toml's models is on this machine.")
+    # Grammars compile in children of a fork server, whose start takes seconds
+    # of a core: now, beside Celery's start and the model's load, so that it
+    # is warm before the first job and never competes with a generation (a
+    # successor taking over a draining worker's generations prefills them all
+    # at once).
+    threading.Thread(target=grammar_limits.warm, name="lmsp-grammar-warm", daemon=True).start()
     # One thread per generation the engines can hold at once: each job thread
     # claims a task, feeds it to its model's engine and writes its events.
     concurrency = sum(spec.max_batch for spec in served)

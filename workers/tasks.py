@@ -50,7 +50,8 @@ _heartbeat: heartbeat.Heartbeat | None = None
 def serve_models(sender: Any, **_: object) -> None:  # celery's WorkController
     """Load the models whose queues this worker consumes and start their
     batching engines before the first job, then tell the admin it serves them
-    (the ops worker consumes none).
+    (the ops worker consumes none; ``workers.serve`` has started the grammar
+    compiler's fork server meanwhile).
 
     Model workers run the threads pool, so this is the process that generates;
     with a prefork pool the weights would be loaded before the fork, which
@@ -72,11 +73,6 @@ def serve_models(sender: Any, **_: object) -> None:  # celery's WorkController
             [spec.id for spec in served], sender.hostname, EngineReport()
         )
         _heartbeat.start()
-        # Grammars compile in children of a fork server: start it now, beside
-        # the first jobs rather than before them (about 3 s here).
-        from generation import grammar_limits
-
-        threading.Thread(target=grammar_limits.warm, name="lmsp-grammar-warm", daemon=True).start()
 
 
 class EngineReport:
