@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lmsp_project.settings")
+os.environ.setdefault("LMSP_DEVELOPMENT", "1")  # a bench is a development run
 
 STORY = (
     "The lighthouse keeper counted the ships that passed each night, writing their names "

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lmsp_project.settings")
+os.environ.setdefault("LMSP_DEVELOPMENT", "1")  # a bench is a development run
 
 from verdict import Target, verdicts  # noqa: E402
 

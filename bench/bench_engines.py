@@ -35,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lmsp_project.settings")
+os.environ.setdefault("LMSP_DEVELOPMENT", "1")  # a bench is a development run
 
 import django  # noqa: E402
 

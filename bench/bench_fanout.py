@@ -283,6 +283,7 @@ def main_driver(args: argparse.Namespace) -> None:
         bench_url = bench_database(env["DATABASE_URL"], BENCH_DB)
         os.environ["DATABASE_URL"] = bench_url
         os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lmsp_project.settings")
+        os.environ.setdefault("LMSP_DEVELOPMENT", "1")  # a bench is a development run
         import django
 
         django.setup()
