@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lmsp_project.settings")
 os.environ.setdefault("LMSP_DEVELOPMENT", "1")
 
-from bench.service import Service, procfile_service  # noqa: E402
+from bench.service import Service, procfile_service, smollm2_models_file  # noqa: E402
 from bench.verdict import Target, verdicts  # noqa: E402
 
 MODEL = "smollm2:135m"
@@ -72,21 +72,6 @@ WORDS = (
     "keeper lamp tower storm ship harbor light wave rock night fog horn island sea wind coast "
     "signal lens stair oil wick glass beacon tide gull cliff boat rope anchor sail star dawn"
 ).split()
-
-
-def models_file(folder: Path) -> str:
-    entry = f"""
-source = "folder"
-path = "{folder}"
-context_window = 8192
-max_output_tokens = 4096
-capabilities = ["conversations"]
-"""
-    return (
-        f'[[models]]\nid = "{MODEL}"{entry}\n'
-        f'[[models]]\nid = "{NO_CACHE}"{entry}prefix_cache = false\n\n'
-        f'[[models]]\nid = "{UNCHUNKED}"{entry}prefill_chunk_tokens = 1000000\n'
-    )
 
 
 class Text:
@@ -314,8 +299,12 @@ def main() -> int:
     if only & {"follow_up", "system", "join"}:
         with tempfile.TemporaryDirectory() as tmp:
             registry = Path(tmp) / "models.toml"
-            cache = Path(os.environ.get("LMSP_MODEL_CACHE", ROOT / ".data" / "models"))
-            registry.write_text(models_file(cache / "smollm2-135m"))
+            variants = {
+                MODEL: "",
+                NO_CACHE: "prefix_cache = false",
+                UNCHUNKED: "prefill_chunk_tokens = 1000000",
+            }
+            registry.write_text(smollm2_models_file(variants))
             with procfile_service(LMSP_MODELS_FILE=str(registry)) as service:
                 token = service.token("bench-engine", ["responses:write", "responses:read"])
                 results = asyncio.run(http_rounds(service, token, args.rounds, only))

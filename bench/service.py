@@ -58,6 +58,22 @@ def task_body(text: str, max_output_tokens: int, **request: object) -> dict:
     }
 
 
+def smollm2_models_file(variants: dict[str, str]) -> str:
+    """A models.toml declaring the converted SmolLM2-135M weights once per
+    variant: its id, and the TOML lines added to the shipped entry's."""
+    cache = Path(os.environ.get("LMSP_MODEL_CACHE", ROOT / ".data" / "models"))
+    entry = f"""
+source = "folder"
+path = "{cache / "smollm2-135m"}"
+context_window = 8192
+max_output_tokens = 4096
+capabilities = ["conversations"]
+"""
+    return "\n".join(
+        f'[[models]]\nid = "{model_id}"{entry}{extra}\n' for model_id, extra in variants.items()
+    )
+
+
 def bench_database(url: str, name: str) -> str:
     """The URL of database ``name`` beside ``url``'s, created and migrated."""
     import psycopg
