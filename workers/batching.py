@@ -285,10 +285,6 @@ class BatchingEngine:
             peak_allocated_tokens=self.runner.store.peak_allocated_tokens,
         )
 
-    @property
-    def draining(self) -> bool:
-        return self._draining
-
     def drain(self) -> None:
         """Preempt every generation at the next step, and every one submitted
         after: the worker is stopping. Each ends ``preempted``, and its caller
