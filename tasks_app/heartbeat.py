@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from lmsp_core.redis_client import redis_client
+from lmsp_core.redis_client import REDIS_ERRORS, redis_client
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def served_elsewhere(model_ids: Iterable[str], worker: str) -> bool:
     (a draining worker's successor is up); False when Redis cannot say."""
     try:
         served = serving_workers()
-    except redis.RedisError:
+    except REDIS_ERRORS:  # the drain thread must go on to its deadline
         return False
     return all(
         any(found.worker != worker for found in served.get(model_id, [])) for model_id in model_ids
