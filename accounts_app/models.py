@@ -27,6 +27,12 @@ class ApiToken(models.Model):
     prefix = models.CharField(max_length=16, unique=True, editable=False)
     secret_hash = models.CharField(max_length=64, editable=False)
     scopes = models.JSONField(default=list)
+    # Narrows the owner's models (tasks_app's OwnerQuota.allowed_models) further.
+    allowed_models = models.JSONField(
+        null=True,
+        blank=True,
+        help_text="Ids of the models this token may use, among its owner's. Empty: all of them.",
+    )
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)

@@ -169,11 +169,43 @@ class UsageRecord(models.Model):
     status = models.CharField(max_length=20, choices=Status.choices)
     input_tokens = models.PositiveIntegerField(default=0)
     output_tokens = models.PositiveIntegerField(default=0)
+    # Prompt tokens the worker took from its prefix cache (a part of input_tokens).
+    cached_tokens = models.PositiveIntegerField(default=0)
+    # Time the request held a worker's engine: from its start to its end.
+    worker_seconds = models.FloatField(default=0)
     created_at = models.DateTimeField(db_index=True)
     completed_at = models.DateTimeField(null=True, blank=True)
 
     def __str__(self) -> str:
         return f"{self.response_id} {self.status}"
+
+
+class DailyUsage(models.Model):
+    """What one owner used of one model on one UTC day (the day a request was
+    accepted): the sums of its usage records, kept beyond event and task
+    retention, for budgets, the usage pages and finance. Requests and input
+    tokens are counted when a request is accepted, the rest when it ends."""
+
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="daily_usage"
+    )
+    model = models.CharField(max_length=100)
+    day = models.DateField()
+    requests = models.PositiveIntegerField(default=0)
+    input_tokens = models.PositiveBigIntegerField(default=0)
+    output_tokens = models.PositiveBigIntegerField(default=0)
+    cached_tokens = models.PositiveBigIntegerField(default=0)
+    worker_seconds = models.FloatField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["owner", "model", "day"], name="one_usage_row_a_day")
+        ]
+        indexes = [models.Index(fields=["day", "model"])]
+        verbose_name_plural = "daily usage"
+
+    def __str__(self) -> str:
+        return f"{self.owner} {self.model} {self.day}"
 
 
 class OwnerQuota(models.Model):
@@ -195,6 +227,23 @@ class OwnerQuota(models.Model):
         null=True,
         blank=True,
         help_text="Output tokens in any 60 s. Empty: LMSP_QUOTA_OUTPUT_TOKENS_PER_MINUTE.",
+    )
+    allowed_models = models.JSONField(
+        null=True,
+        blank=True,
+        help_text="Ids of the models this owner may use. Empty: every model.",
+    )
+    input_tokens_per_day = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="Input tokens a UTC day. Empty: no budget."
+    )
+    output_tokens_per_day = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="Output tokens a UTC day. Empty: no budget."
+    )
+    input_tokens_per_month = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="Input tokens a UTC calendar month. Empty: no budget."
+    )
+    output_tokens_per_month = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="Output tokens a UTC calendar month. Empty: no budget."
     )
 
     def __str__(self) -> str:
