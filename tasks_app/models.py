@@ -183,8 +183,8 @@ class UsageRecord(models.Model):
 class DailyUsage(models.Model):
     """What one owner used of one model on one UTC day (the day a request was
     accepted): the sums of its usage records, kept beyond event and task
-    retention, for budgets, the usage pages and finance. Requests and input
-    tokens are counted when a request is accepted, the rest when it ends."""
+    retention, for budgets, the usage pages and finance. A request is added
+    to its row, all its figures at once, in the transaction that ends it."""
 
     owner = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="daily_usage"
