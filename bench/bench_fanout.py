@@ -346,6 +346,7 @@ def start_server(
         "LMSP_MODEL_CACHE": str(DATA / "models"),
         "LMSP_MAX_STREAMS_PER_TOKEN": "100000",
         "LMSP_MAX_STREAMS_PER_PROCESS": "100000",
+        "LMSP_MAX_STREAMS_PER_OWNER": "100000",  # one bench owner holds them all
         # The feed's safety check reads the task once per task (not per
         # follower) every LMSP_STREAM_CHECK_SECONDS: pushed past the run, so
         # that the idle count is the followers' own reads.
