@@ -6,8 +6,14 @@ real model, in this process."""
 
 from __future__ import annotations
 
+import importlib
+from datetime import timedelta
+
 import pytest
+from django.apps import apps
 from django.contrib.auth import get_user_model
+from django.db import connection
+from django.utils import timezone
 
 from lmsp_core.status import Status
 from responses_app import records
@@ -19,6 +25,7 @@ from tasks_app.models import DailyUsage, Task, TaskKind, UsageRecord
 from workers.runner import run_task
 
 from .conftest import request_body
+from .test_admin import make_response
 from .test_lifecycle import checkpoint_of
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -145,3 +152,47 @@ def test_requests_of_two_owners_go_to_their_own_rows():
         lifecycle.request_cancel(task.id)
     assert DailyUsage.objects.count() == 2
     assert day_of(mine)["requests"] == day_of(theirs)["requests"] == 1
+
+
+def test_the_migration_fills_worker_seconds_and_days_from_stored_records():
+    """Records stored before ``DailyUsage`` existed: their days are built from
+    the ended ones, their worker seconds from their tasks where those remain."""
+    alice = get_user_model().objects.create_user("alice")
+    bob = get_user_model().objects.create_user("bob")
+    now = timezone.now().replace(hour=12)
+    yesterday = now - timedelta(days=1)
+    for owner, created, status in [
+        (alice, now, "completed"),
+        (alice, now, "failed"),
+        (alice, now, "in_progress"),  # not ended: counted when it ends
+        (alice, yesterday, "completed"),
+        (bob, now, "cancelled"),
+    ]:
+        response = make_response(
+            owner, [], status=status, created_at=created, started_at=created - timedelta(seconds=3)
+        )
+    Task.objects.filter(response=response).delete()  # bob's task is gone, its record stays
+    fill = importlib.import_module("tasks_app.migrations.0008_fill_daily_usage").fill_daily_usage
+    with connection.schema_editor() as editor:
+        fill(apps, editor)
+    days = {
+        (row.owner.username, row.day): (row.requests, row.input_tokens, row.output_tokens)
+        for row in DailyUsage.objects.select_related("owner")
+    }
+    assert days == {
+        ("alice", now.date()): (2, 22, 14),
+        ("alice", yesterday.date()): (1, 11, 7),
+        ("bob", now.date()): (1, 11, 7),
+    }
+    seconds = sorted(UsageRecord.objects.values_list("owner__username", "status", "worker_seconds"))
+    assert seconds == [
+        ("alice", "completed", 3.0),
+        ("alice", "completed", 3.0),
+        ("alice", "failed", 3.0),
+        ("alice", "in_progress", 0.0),
+        ("bob", "cancelled", 0.0),
+    ]
+    assert DailyUsage.objects.get(owner=alice, day=now.date()).worker_seconds == 6.0
+    with connection.schema_editor() as editor:
+        fill(apps, editor)  # run again: the same days, not twice
+    assert DailyUsage.objects.get(owner=alice, day=now.date()).requests == 2
