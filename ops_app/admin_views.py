@@ -79,12 +79,11 @@ def _usage_page(request: HttpRequest, owner: AbstractBaseUser | None) -> HttpRes
     """The usage table, chart and totals for the query's filters
     (``usage_report.filters_from``), or their CSV with ``format=csv``."""
     owner_id = None if owner is None else owner.pk
+    error: str | None = None
     try:
         filters = usage_report.filters_from(request.GET, owner_id)
-    except ValueError as exc:
+    except ValueError as exc:  # shown on the page, with the default filters
         error, filters = str(exc), usage_report.filters_from({}, owner_id)
-    else:
-        error = None
     usage = usage_report.report(filters)
     if request.GET.get("format") == "csv" and error is None:
         name = f"lmsp-usage-{owner or 'all'}-{filters.start}-{filters.end}.csv"

@@ -14,7 +14,7 @@ import csv
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import date, timedelta
-from typing import IO, Literal
+from typing import Literal, Protocol
 
 from django.db.models import F, Sum
 from django.db.models.functions import TruncMonth
@@ -30,6 +30,12 @@ PRESETS = {
     "last_month": "Last month",
     "last_30_days": "Last 30 days",
 }
+
+
+class TextOut(Protocol):
+    """Where a report is written: a file, an HTTP response, a command's stdout."""
+
+    def write(self, text: str, /) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -114,9 +120,10 @@ def filters_from(
     if start > end:
         raise ValueError(f"from ({start}) is after to ({end})")
     by = query.get("by") or "day"
-    if by != "day" and by != "month":
+    if by not in ("day", "month"):
         raise ValueError(f"by must be day or month, not {by!r}")
-    return UsageFilters(start, end, by, query.get("model") or None, owner_id)
+    grain: Grain = "month" if by == "month" else "day"
+    return UsageFilters(start, end, grain, query.get("model") or None, owner_id)
 
 
 def _date(query: Mapping[str, str | None], name: str, default: date) -> date:
@@ -174,14 +181,14 @@ def cells(row: UsageRow, by: Grain) -> list[str]:
     return [period, row.owner, row.model, *figures]
 
 
-def write_csv(usage: UsageReport, out: IO[str]) -> None:
+def write_csv(usage: UsageReport, out: TextOut) -> None:
     """The report's rows under a header (no total row: the columns add up to it)."""
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(COLUMNS)
     writer.writerows(cells(row, usage.filters.by) for row in usage.rows)
 
 
-def write_table(usage: UsageReport, out: IO[str]) -> None:
+def write_table(usage: UsageReport, out: TextOut) -> None:
     """The report's rows and their total as a plain text table."""
     body = [cells(row, usage.filters.by) for row in usage.rows]
     total = ["total", "", "", *cells(usage.totals, usage.filters.by)[3:]]
