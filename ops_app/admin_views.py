@@ -1,5 +1,6 @@
 """The admin's own pages beside the model admins: the dashboard (with the
-periodic jobs' health) and the models.
+periodic jobs' health), the models, and usage by owner, model and day or
+month (the whole service's, and one owner's), with its CSV.
 
 Mounted under ``/admin/lmsp/`` in ``lmsp_project.urls``, each behind
 ``admin.site.admin_view`` (staff login, no caching, CSRF as elsewhere).
@@ -7,14 +8,19 @@ Mounted under ``/admin/lmsp/`` in ``lmsp_project.urls``, each behind
 
 from __future__ import annotations
 
+from urllib.parse import urlencode
+
 from django.contrib import admin
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import AbstractBaseUser
 from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
 from django.urls import path
 
 from tasks_app import selectors
 
-from . import charts, dashboard, jobs
+from . import charts, dashboard, jobs, usage_report
 
 
 def dashboard_view(request: HttpRequest) -> HttpResponse:
@@ -61,7 +67,63 @@ def models_view(request: HttpRequest) -> HttpResponse:
     return TemplateResponse(request, "admin/lmsp/models.html", context)
 
 
+def usage_view(request: HttpRequest) -> HttpResponse:
+    return _usage_page(request, None)
+
+
+def owner_usage_view(request: HttpRequest, owner_id: int) -> HttpResponse:
+    return _usage_page(request, get_object_or_404(get_user_model(), pk=owner_id))
+
+
+def _usage_page(request: HttpRequest, owner: AbstractBaseUser | None) -> HttpResponse:
+    """The usage table, chart and totals for the query's filters
+    (``usage_report.filters_from``), or their CSV with ``format=csv``."""
+    owner_id = None if owner is None else owner.pk
+    error: str | None = None
+    try:
+        filters = usage_report.filters_from(request.GET, owner_id)
+    except ValueError as exc:  # shown on the page, with the default filters
+        error, filters = str(exc), usage_report.filters_from({}, owner_id)
+    usage = usage_report.report(filters)
+    if request.GET.get("format") == "csv" and error is None:
+        name = f"lmsp-usage-{owner or 'all'}-{filters.start}-{filters.end}.csv"
+        answer = HttpResponse(content_type="text/csv; charset=utf-8")
+        answer["Content-Disposition"] = f'attachment; filename="{name}"'
+        usage_report.write_csv(usage, answer)
+        return answer
+    labels = [
+        period.isoformat() if filters.by == "day" else period.strftime("%Y-%m")
+        for period in usage.periods()
+    ]
+    title = f"Usage of {owner}" if owner is not None else "Usage"
+    context = {
+        **admin.site.each_context(request),
+        "title": title,
+        "owner": owner,
+        "error": error,
+        "filters": filters,
+        "usage": usage,
+        "models": usage_report.models_used(),
+        "presets": [
+            (urlencode({**filters.as_query(), "preset": key}), label)
+            for key, label in usage_report.PRESETS.items()
+        ],
+        "filters_query": urlencode(filters.as_query()),
+        "csv_query": urlencode({**filters.as_query(), "format": "csv"}),
+        "chart": charts.stacked_columns(
+            f"Input and output tokens per {filters.by} and model", labels, usage.tokens_by_model()
+        ),
+    }
+    return TemplateResponse(request, "admin/lmsp/usage.html", context)
+
+
 urlpatterns = [
     path("dashboard/", admin.site.admin_view(dashboard_view), name="lmsp-dashboard"),
     path("models/", admin.site.admin_view(models_view), name="lmsp-models"),
+    path("usage/", admin.site.admin_view(usage_view), name="lmsp-usage"),
+    path(
+        "usage/owner/<int:owner_id>/",
+        admin.site.admin_view(owner_usage_view),
+        name="lmsp-owner-usage",
+    ),
 ]

@@ -11,6 +11,7 @@ from django.contrib.auth.admin import UserAdmin as BaseUserAdmin
 from django.core.exceptions import PermissionDenied
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest, HttpResponse
+from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
 
@@ -150,7 +151,8 @@ class UserAdmin(BaseUserAdmin):
         return format_html(
             '<span id="lmsp-usage">{} queued{}, {} running{}; '
             "{} output tokens in the last minute{}; last 24 h: {} requests, "
-            "{} input and {} output tokens</span>",
+            '{} input and {} output tokens</span> (<a id="lmsp-usage-link" href="{}">'
+            "usage by day and model</a>)",
             usage.queued,
             of(limits.max_queued),
             usage.running,
@@ -160,4 +162,5 @@ class UserAdmin(BaseUserAdmin):
             usage.requests,
             usage.input_tokens,
             usage.output_tokens,
+            reverse("lmsp-owner-usage", args=[user.pk]),
         )

@@ -29,9 +29,9 @@ from lmsp_core.celery_app import app as celery_app
 from lmsp_core.errors import ProblemError, problem
 from lmsp_core.status import FINAL_STATUSES, Status
 
-from . import broker, fairness, notify, quotas
+from . import broker, fairness, notify, quotas, usage
 from .event_log import EventLog, StoredEvent
-from .models import Event, Task, TokenChunk, UsageRecord
+from .models import Event, Task, TokenChunk
 from .signals import task_finished, task_reopened
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ class Outcome:
     status: str
     output: list = field(default_factory=list)
     output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the worker's prefix cache supplied
     error: dict | None = None
     incomplete_details: dict | None = None
 
@@ -379,7 +380,8 @@ def finish(task_id: str, attempt: int, events: list[tuple[str, dict]], outcome: 
 
 
 def _finalize(task: Task, events: list[tuple[str, dict]], outcome: Outcome) -> None:
-    """Close a locked task: its last events, its status and its response, in one go."""
+    """Close a locked task: its last events, its status, its response and its
+    usage (``usage.end``), in one go."""
     now = timezone.now()
     EventLog.append(task, events)
     task.status = outcome.status
@@ -391,8 +393,13 @@ def _finalize(task: Task, events: list[tuple[str, dict]], outcome: Outcome) -> N
     TokenChunk.objects.filter(task=task).delete()
     fairness.forget_position(task.id)
     task_finished.send(sender=Task, task=task, outcome=outcome)
-    UsageRecord.objects.filter(response_id=task.response_id).update(
-        status=outcome.status, output_tokens=outcome.output_tokens, completed_at=now
+    usage.end(
+        task.response_id,
+        outcome.status,
+        output_tokens=outcome.output_tokens,
+        cached_tokens=outcome.cached_tokens,
+        started_at=task.started_at,
+        now=now,
     )
     _resend_held_back(task.owner_id)
 
@@ -583,21 +590,42 @@ def sweep() -> SweepReport:
 
 def deleting(tasks: QuerySet[Task]) -> None:
     """Before ``tasks`` are deleted, in the same transaction: lock the
-    unfinished ones, in id order as every writer of several tasks does, so
-    that no flush of their workers lands between the deletion of their
-    events and their own (the flush then finds no task and its worker
-    stops); once the deletion commits, their workers drop them at once (a
-    cancel's message) and their streams end (their feeds read them again)."""
+    unfinished ones (``_stop_when_deleted``); their usage records, which
+    stay, end cancelled with the tokens their checkpoints hold, since no
+    worker will end them."""
+    now = timezone.now()
+    for task in _stop_when_deleted(tasks):
+        usage.end(
+            task.response_id,
+            Status.CANCELLED,
+            output_tokens=(task.checkpoint or {}).get("tokens", 0),
+            cached_tokens=0,
+            started_at=task.started_at,
+            now=now,
+        )
+
+
+def _stop_when_deleted(tasks: QuerySet[Task]) -> list[Task]:
+    """Lock the unfinished ``tasks``, in id order as every writer of several
+    tasks does, so that no flush of their workers lands between the deletion
+    of their events and their own (the flush then finds no task and its
+    worker stops); once the deletion commits, their workers drop them at once
+    (a cancel's message) and their streams end (their feeds read them
+    again). Returns them."""
     assert transaction.get_connection().in_atomic_block, "deleting needs a transaction"
     unfinished = tasks.exclude(status__in=FINAL_STATUSES).select_for_update().order_by("id")
-    for task_id in unfinished.values_list("id", flat=True):
-        transaction.on_commit(functools.partial(notify.publish_cancel, task_id))
-        transaction.on_commit(functools.partial(notify.publish_changed, task_id))
+    locked = list(unfinished.only("id", "response_id", "started_at", "checkpoint"))
+    for task in locked:
+        transaction.on_commit(functools.partial(notify.publish_cancel, task.id))
+        transaction.on_commit(functools.partial(notify.publish_changed, task.id))
+    return locked
 
 
 def owner_deleting(sender: type, instance: User, **_: object) -> None:
-    """``pre_delete`` of a user (connected in ``apps``): its tasks go with it."""
-    deleting(Task.objects.filter(owner_id=instance.pk))
+    """``pre_delete`` of a user (connected in ``apps``): its tasks go with it,
+    and its usage too (nothing of it is ended: a row added now would outlive
+    the deletion's cascade)."""
+    _stop_when_deleted(Task.objects.filter(owner_id=instance.pk))
 
 
 @transaction.atomic
@@ -620,6 +648,7 @@ def requeue_failed(task_id: str) -> Task:
     if queue is None:
         raise ProblemError("invalid_request", model_gone_problem(task.model)["detail"])
     EventLog.append(task, [protocol.created_event(task.response_id)])
+    usage.reopen(task.response_id)
     task.status = Status.QUEUED
     task.error = None
     task.completed_at = None

@@ -110,6 +110,7 @@ class GenerationRun:
         self.stop: str | None = "cancelled" if task.cancel_requested else None
         self.ended_by_model = False
         self.ended_by_grammar = False  # complete, but the token limit came before the end token
+        self.cached_tokens = 0  # prompt tokens this attempt took from the engine's prefix cache
         # LMSP_MAX_JOB_SECONDS from the task's first start, over all attempts.
         self.deadline = (task.started_at or timezone.now()) + timedelta(
             seconds=settings.LMSP_MAX_JOB_SECONDS
@@ -201,6 +202,8 @@ class GenerationRun:
             generation.cancel()  # leaves the batch at its next step; no-op once finished
             stack.close()
             timer.push()
+            # A resume's prompt holds the tokens generated before it: only the prompt's count.
+            self.cached_tokens = min(generation.cached_tokens, len(prompt_ids))
         if generation.error is not None:
             raise generation.error
         if generation.finish_reason == "preempted" and self.stop is None:
@@ -282,6 +285,7 @@ class GenerationRun:
             status=status,
             output=self.assembler.items,
             output_tokens=usage["output_tokens"],
+            cached_tokens=self.cached_tokens,
             incomplete_details=incomplete,
         )
         return (
@@ -305,6 +309,7 @@ class GenerationRun:
             status=Status.FAILED,
             output=self.assembler.items,
             output_tokens=len(self.token_ids),
+            cached_tokens=self.cached_tokens,
             error=error,
         )
         ok = lifecycle.finish(self.task_id, self.attempt, events, outcome)
