@@ -33,6 +33,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
+from typing import Any
 
 from django.db import connection
 from django.utils import timezone
@@ -111,7 +112,7 @@ class Budget:
         return max(0, self.limit - self.used - spent)
 
 
-def sql_params(owner_id: int, now: datetime) -> dict[str, object]:
+def sql_params(owner_id: int, now: datetime) -> dict[str, Any]:
     """The parameters of ``USED_SQL`` for a request at ``now``."""
     today = now.astimezone(UTC).date()
     month_first = today.replace(day=1)
