@@ -5,8 +5,8 @@ numbers (workers on other machines included), not its own.
 Counters and histograms come from what ``recorders`` added up in Redis;
 queue depth from the tasks table; each owner's use of each model from its
 daily usage rows and its tasks in flight (``tasks_app.owner_usage``); live
-workers from their heartbeats; job health from ``jobs``. A part that cannot be read (Redis down) is left out
-of the scrape and ``lmsp_redis_up`` says so.
+workers from their heartbeats; job health from ``jobs``. A part that cannot
+be read (Redis down) is left out of the scrape and ``lmsp_redis_up`` says so.
 """
 
 from __future__ import annotations
