@@ -8,6 +8,7 @@ from django.template.response import TemplateResponse
 from django.utils import timezone
 
 from . import services
+from .model_choice import AllowedModelsField
 from .models import SCOPES, ApiToken
 
 SECONDS_PER_DAY = 86_400
@@ -18,6 +19,9 @@ SECONDS_PER_DAY = 86_400
 ISSUED_SECRET = "lmsp_issued_secret"
 
 
+TOKEN_MODELS_HELP = "The models this token may use, among its owner's. None ticked: all of them."
+
+
 class ApiTokenCreationForm(forms.ModelForm):
     scopes = forms.MultipleChoiceField(
         choices=[(scope, scope) for scope in SCOPES], widget=forms.CheckboxSelectMultiple
@@ -25,10 +29,19 @@ class ApiTokenCreationForm(forms.ModelForm):
     expires_in_days = forms.IntegerField(
         min_value=1, required=False, label="Expires in (days)", help_text="Empty: never expires."
     )
+    allowed_models = AllowedModelsField(TOKEN_MODELS_HELP)
 
     class Meta:
         model = ApiToken
         fields = ("owner", "name")
+
+
+class ApiTokenChangeForm(forms.ModelForm):
+    allowed_models = AllowedModelsField(TOKEN_MODELS_HELP)
+
+    class Meta:
+        model = ApiToken
+        fields = ("name", "expires_at", "allowed_models")
 
 
 class TokenStateFilter(admin.SimpleListFilter):
@@ -70,13 +83,17 @@ class ApiTokenAdmin(admin.ModelAdmin):
     list_select_related = ("owner",)
     search_fields = ("prefix", "name", "owner__username")
     actions = ("revoke",)
+    form = ApiTokenChangeForm
     add_form = ApiTokenCreationForm
-    add_fieldsets = ((None, {"fields": ("owner", "name", "scopes", "expires_in_days")}),)
+    add_fieldsets = (
+        (None, {"fields": ("owner", "name", "scopes", "allowed_models", "expires_in_days")}),
+    )
     fields = (
         "prefix",
         "owner",
         "name",
         "scope_list",
+        "allowed_models",
         "state",
         "created_at",
         "expires_at",
@@ -129,6 +146,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
             scopes=form.cleaned_data["scopes"],
             expires_in=days * SECONDS_PER_DAY if days else None,
             name=obj.name,
+            allowed_models=form.cleaned_data["allowed_models"],
         )
         # The admin goes on with ``obj`` (history entry, answer page): make it the issued token.
         obj.__dict__.update(issued.token.__dict__)

@@ -58,7 +58,12 @@ def create_token(
 
 
 def issue_token(
-    *, owner: User, scopes: list[str], expires_in: int | None = None, name: str = ""
+    *,
+    owner: User,
+    scopes: list[str],
+    expires_in: int | None = None,
+    name: str = "",
+    allowed_models: list[str] | None = None,
 ) -> IssuedToken:
     prefix = secrets.token_hex(PREFIX_LENGTH // 2)
     secret = f"{TOKEN_PREFIX}_{prefix}_{secrets.token_urlsafe(32)}"
@@ -69,6 +74,7 @@ def issue_token(
         prefix=prefix,
         secret_hash=_hash(secret),
         scopes=parse_scopes(scopes),
+        allowed_models=allowed_models,
         expires_at=expires_at,
     )
     return IssuedToken(token=token, secret=secret)

@@ -7,6 +7,7 @@ import importlib.util
 import os
 import re
 import tomllib
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,13 +147,25 @@ def available_models() -> dict[str, ModelSpec]:
     return {mid: spec for mid, spec in declared_models().items() if spec.source_location()}
 
 
-def get_model(model_id: str, param: str = "model") -> ModelSpec:
+def get_model(
+    model_id: str, param: str = "model", allowed: Collection[str] | None = None
+) -> ModelSpec:
+    """The model ``model_id``, or 404 ``model_not_found``. ``allowed``: the
+    ids the caller may use (None: every one); a model outside it answers
+    exactly as one that does not exist, so that a caller learns nothing of
+    the models it may not use."""
     spec = available_models().get(model_id)
-    if spec is None:
+    if spec is None or (allowed is not None and model_id not in allowed):
         raise ProblemError(
             "model_not_found", f"The model {model_id!r} does not exist.", param=param
         )
     return spec
+
+
+def listed_models(allowed: Collection[str] | None = None) -> list[ModelSpec]:
+    """The available models a caller may use (``allowed``; None: every one)."""
+    models = available_models().values()
+    return [spec for spec in models if allowed is None or spec.id in allowed]
 
 
 def served_models() -> list[ModelSpec]:

@@ -209,6 +209,8 @@ LMSP_STREAM_ACCESS_CHECK_SECONDS = env_float("LMSP_STREAM_ACCESS_CHECK_SECONDS",
 # (lmsp_core.lean): same answers, a fraction of the memory and CPU per stream, no
 # thread hops before a generation is submitted.
 LMSP_LEAN_STREAMS = env_bool("LMSP_LEAN_STREAMS", True)
+# /metrics: the per-owner series carry an owner label (off: added up per model).
+LMSP_METRICS_OWNER_LABEL = env_bool("LMSP_METRICS_OWNER_LABEL", True)
 LMSP_EVENT_RETENTION_SECONDS = env_int("LMSP_EVENT_RETENTION_SECONDS", 86_400)
 LMSP_TASK_RETENTION_SECONDS = env_int("LMSP_TASK_RETENTION_SECONDS", 30 * 86_400)
 # Stored responses (store: true, the default of /v1/responses) are erased by the

@@ -26,7 +26,7 @@ from django.http import (
 
 from accounts_app.models import ApiToken
 from accounts_app.services import authenticate_bearer, require_scope
-from generation.registry import ModelSpec, available_models, get_model
+from generation.registry import ModelSpec, get_model, listed_models
 from lmsp_core import protocol
 from lmsp_core.errors import ProblemError
 from lmsp_core.http import cpu_call, db_call, json_body
@@ -38,9 +38,10 @@ from responses_app.models import Response
 from responses_app.selectors import erasable_responses
 from responses_app.serializers import validate_response_request
 from responses_app.submit import submit
-from tasks_app import event_reader, idempotency
+from tasks_app import budgets, event_reader, idempotency
 from tasks_app import services as task_services
 from tasks_app.event_log import StoredEvent
+from tasks_app.model_access import allowed_models
 from tasks_app.models import Task, TaskKind
 from tasks_app.stream_access import StreamAccess
 from tasks_app.streams import SSE_HEADERS, admit, admitted, follow_events
@@ -59,15 +60,17 @@ def model_object(spec: ModelSpec) -> dict[str, Any]:
 
 @openai_view("GET")
 async def model_list(request: HttpRequest) -> HttpResponse:
-    await event_reader.authenticated(request, "models:read")
-    data = [model_object(spec) for spec in available_models().values()]
+    token = await event_reader.authenticated(request, "models:read")
+    allowed = await db_call(allowed_models, token)
+    data = [model_object(spec) for spec in listed_models(allowed)]
     return JsonResponse({"object": "list", "data": data})
 
 
 @openai_view("GET")
 async def model_detail(request: HttpRequest, model_id: str) -> HttpResponse:
-    await event_reader.authenticated(request, "models:read")
-    return JsonResponse(model_object(get_model(model_id, param="model")))
+    token = await event_reader.authenticated(request, "models:read")
+    allowed = await db_call(allowed_models, token)
+    return JsonResponse(model_object(get_model(model_id, param="model", allowed=allowed)))
 
 
 # --- shared -----------------------------------------------------------------------
@@ -79,12 +82,17 @@ def _failed(result: dict) -> ProblemError:
 
 
 def _event_stream(
-    frames: AsyncGenerator[bytes, None], release: Callable[[], None]
+    frames: AsyncGenerator[bytes, None],
+    release: Callable[[], None],
+    headers: dict[str, str] | None = None,
 ) -> StreamingHttpResponse:
     """A stream that holds a place under the stream caps (``release``: what
-    gave it, called when the stream ends or is dropped)."""
+    gave it, called when the stream ends or is dropped), with ``headers``
+    beside the SSE ones."""
     return StreamingHttpResponse(
-        admitted(frames, release), content_type="text/event-stream", headers=SSE_HEADERS
+        admitted(frames, release),
+        content_type="text/event-stream",
+        headers={**SSE_HEADERS, **(headers or {})},
     )
 
 
@@ -100,8 +108,14 @@ def _translated(translate: Callable[[object], T], request: HttpRequest) -> T:
     return translate(json_body(request))
 
 
+def _submit(token: ApiToken, validated: dict, kind: str, key: str | None) -> Task:
+    """``submit`` for the request's token, with the models it may use."""
+    allowed = allowed_models(token)
+    return submit(token.owner, validated, kind=kind, idempotency_key=key, allowed_models=allowed)
+
+
 async def _submitted(
-    owner: User,
+    token: ApiToken,
     validated: dict,
     kind: str,
     key: str | None,
@@ -109,7 +123,7 @@ async def _submitted(
     stream: bool,
 ) -> Task:
     with named_as_sent(param_of):
-        start = db_call(submit, owner, validated, kind=kind, idempotency_key=key)
+        start = db_call(_submit, token, validated, kind, key)
         if kind == TaskKind.DIRECT:  # cancelled if the client leaves (direct's rules)
             leave = direct.cancels_if_left(key, stream)
             return await direct.accepted(start, leave)
@@ -127,7 +141,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
     with named_as_sent(translated.param_of):
         validated = await cpu_call(validate_response_request, translated.request)
     task = await _submitted(
-        token.owner, validated, TaskKind.DIRECT, key, translated.param_of, translated.stream
+        token, validated, TaskKind.DIRECT, key, translated.param_of, translated.stream
     )
     access = StreamAccess.of(token)
     release = direct.admit_replay(task, token)
@@ -140,11 +154,11 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
         )
         leave = direct.cancels_if_left(key, True)
         events = direct.delivered_events(task, leave, access, release)
-        return _event_stream(_chat_frames(events, chunks), release)
+        return _event_stream(_chat_frames(events, chunks), release, budgets.headers_of(task))
     result = await direct.final_result(task, direct.cancels_if_left(key, False), access, release)
     if result["status"] == "failed":
         raise _failed(result)
-    return JsonResponse(chat.completion(result))
+    return JsonResponse(chat.completion(result), headers=budgets.headers_of(task))
 
 
 async def _chat_frames(
@@ -219,9 +233,7 @@ async def create_response(request: HttpRequest) -> HttpResponseBase:
     with named_as_sent(translated.param_of):
         validated = await cpu_call(validate_response_request, translated.request)
     kind = TaskKind.TASK if translated.background else TaskKind.DIRECT
-    task = await _submitted(
-        token.owner, validated, kind, key, translated.param_of, translated.stream
-    )
+    task = await _submitted(token, validated, kind, key, translated.param_of, translated.stream)
     access = StreamAccess.of(token)
     if translated.stream:
         translator = await db_call(_translator, task.id)
@@ -231,16 +243,21 @@ async def create_response(request: HttpRequest) -> HttpResponseBase:
             if translated.background
             else direct.delivered_events(task, direct.cancels_if_left(key, True), access, release)
         )
-        return _event_stream(_response_frames(events, translator), release)
+        return _event_stream(
+            _response_frames(events, translator), release, budgets.headers_of(task)
+        )
     if translated.background:
-        return JsonResponse(await db_call(_openai_response, task.id))
+        return JsonResponse(
+            await db_call(_openai_response, task.id), headers=budgets.headers_of(task)
+        )
     # read before the answer is delivered: a store: false response is then gone
     _, params, _, _ = await db_call(_snapshot, task.id)
     release = direct.admit_replay(task, token)
     result = await direct.final_result(task, direct.cancels_if_left(key, False), access, release)
     if result["status"] == "failed":
         raise _failed(result)
-    return JsonResponse(responses.response_object(result, params, background=False))
+    answer = responses.response_object(result, params, background=False)
+    return JsonResponse(answer, headers=budgets.headers_of(task))
 
 
 def _owned_response(owner: User, response_id: str) -> tuple[Response, Task | None]:

@@ -3,9 +3,10 @@ each scrape, so that every web process answers with the whole service's
 numbers (workers on other machines included), not its own.
 
 Counters and histograms come from what ``recorders`` added up in Redis;
-queue depth from the tasks table; live workers from their heartbeats; job
-health from ``jobs``. A part that cannot be read (Redis down) is left out
-of the scrape and ``lmsp_redis_up`` says so.
+queue depth from the tasks table; each owner's use of each model from its
+daily usage rows and its tasks in flight (``tasks_app.owner_usage``); live
+workers from their heartbeats; job health from ``jobs``. A part that cannot
+be read (Redis down) is left out of the scrape and ``lmsp_redis_up`` says so.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 from collections.abc import Iterator
 
 import redis
+from django.conf import settings
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -24,7 +26,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from generation.registry import available_models
-from tasks_app import heartbeat
+from tasks_app import heartbeat, owner_usage
 
 from . import dashboard, jobs, recorders
 
@@ -75,6 +77,16 @@ ENGINE_COUNTERS = {
 }
 
 
+# Per owner and model, of the requests that ended (``tasks_app.owner_usage``).
+USAGE_COUNTERS = {
+    "requests": "Requests that ended.",
+    "input_tokens": "Input (prompt) tokens of the requests that ended.",
+    "output_tokens": "Output tokens of the requests that ended.",
+    "cached_tokens": "Input tokens taken from a prefix cache, of the requests that ended.",
+    "worker_seconds": "Seconds the requests that ended held a worker's engine.",
+}
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -94,6 +106,7 @@ class LmspCollector(Collector):
         yield redis_up
 
     def _database(self) -> Iterator[Metric]:
+        yield from self._owners()
         queued = GaugeMetricFamily(
             "lmsp_generations_queued", "Tasks waiting for a model worker.", labels=["model"]
         )
@@ -105,6 +118,32 @@ class LmspCollector(Collector):
             running.add_metric([model], depth["in_progress"])
         yield queued
         yield running
+
+    def _owners(self) -> Iterator[Metric]:
+        """Requests and tokens per owner and model (``tasks_app.owner_usage``);
+        without the owner label when ``LMSP_METRICS_OWNER_LABEL`` is off."""
+        by_owner = settings.LMSP_METRICS_OWNER_LABEL
+        labels = ["owner", "model"] if by_owner else ["model"]
+
+        def of(owner: str, model: str) -> list[str]:
+            return [owner, model] if by_owner else [model]
+
+        counters = {
+            name: CounterMetricFamily(f"lmsp_usage_{name}", documentation, labels=labels)
+            for name, documentation in USAGE_COUNTERS.items()
+        }
+        for usage in owner_usage.ended(by_owner):
+            for name, counter in counters.items():
+                counter.add_metric(of(usage.owner, usage.model), getattr(usage, name))
+        yield from counters.values()
+        in_flight = GaugeMetricFamily(
+            "lmsp_usage_requests_in_flight",
+            "Requests queued or being generated now.",
+            labels=labels,
+        )
+        for owner, model, count in owner_usage.in_flight(by_owner):
+            in_flight.add_metric(of(owner, model), count)
+        yield in_flight
 
     def _redis(self) -> Iterator[Metric]:
         client = recorders.client()

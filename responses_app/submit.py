@@ -24,7 +24,7 @@ from generation.registry import ModelSpec, get_model
 from generation.schemas import needs_grammar, schema_problem
 from generation.tokens import prompt_tokenizer
 from lmsp_core.errors import ProblemError
-from tasks_app import idempotency, quotas, services
+from tasks_app import budgets, idempotency, quotas, services
 from tasks_app.models import Task, TaskKind
 
 from . import records
@@ -89,7 +89,7 @@ def prepare_generation(owner: User, request: dict, param_prefix: str = "") -> Pr
     # and that its owner's quotas let through (they are checked again, under
     # the owner's lock, when the task is stored).
     if needs_grammar(params):
-        quotas.refuse_if_over(owner.pk)
+        quotas.refuse_if_over(owner.pk, input_tokens)
         try:
             unusable = schema_problem(params, spec)
         except CompilerBusy as exc:
@@ -155,10 +155,25 @@ ENDPOINTS: dict[str, tuple[str, str]] = {
 }
 
 
-def submit(owner: User, request: dict, *, kind: str, idempotency_key: str | None) -> Task:
+def submit(
+    owner: User,
+    request: dict,
+    *,
+    kind: str,
+    idempotency_key: str | None,
+    allowed_models: frozenset[str] | None,
+) -> Task:
     """The task generating a validated request; with an ``Idempotency-Key``, the
-    task of the first request that used the key (a retry starts nothing)."""
+    task of the first request that used the key (a retry starts nothing, and
+    is charged nothing). ``allowed_models``: the models the caller may use
+    (``tasks_app.model_access``; None: every one); any other is 404, before
+    anything else, for a retry too."""
     endpoint, param_prefix = ENDPOINTS[kind]
+    get_model(
+        request["model"],
+        param=f"{param_prefix}.model" if param_prefix else "model",
+        allowed=allowed_models,
+    )
 
     def start() -> Task:
         return start_generation(owner, prepare_generation(owner, request, param_prefix), kind)
@@ -166,12 +181,26 @@ def submit(owner: User, request: dict, *, kind: str, idempotency_key: str | None
     if idempotency_key is None:
         return start()
     print_ = idempotency.fingerprint(endpoint, request)
-    return idempotency.start_once(owner, idempotency_key, print_, start)
+    task = idempotency.start_once(owner, idempotency_key, print_, start)
+    if task.replayed:
+        task.budget_remaining = budgets.remaining_now(owner.pk)
+    return task
 
 
-def submit_task(owner: User, request: dict, idempotency_key: str | None) -> Task:
+def submit_task(
+    owner: User,
+    request: dict,
+    idempotency_key: str | None,
+    allowed_models: frozenset[str] | None,
+) -> Task:
     """``POST /tasks`` with ``"type": "response"`` (registered in ``apps``)."""
     body = {name: value for name, value in request.items() if name != "stream"}
     # a task is always followed through its events, whatever "stream" says
     validated = validate_response_request(body, prefix="request")
-    return submit(owner, validated, kind=TaskKind.TASK, idempotency_key=idempotency_key)
+    return submit(
+        owner,
+        validated,
+        kind=TaskKind.TASK,
+        idempotency_key=idempotency_key,
+        allowed_models=allowed_models,
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from typing import cast
 
 from django.http import (
     HttpRequest,
@@ -17,13 +18,15 @@ from rest_framework.response import Response as DRFResponse
 from rest_framework.views import APIView
 
 from accounts_app.authentication import owner_of
-from generation.registry import available_models, get_model
+from accounts_app.models import ApiToken
+from generation.registry import get_model, listed_models
 from lmsp_core import protocol
 from lmsp_core.errors import ProblemError
 from lmsp_core.http import check_method, cpu_call, csrf_free, db_call, json_body
-from tasks_app import event_reader, idempotency
+from tasks_app import budgets, event_reader, idempotency
 from tasks_app.event_log import StoredEvent
-from tasks_app.models import TaskKind
+from tasks_app.model_access import allowed_models
+from tasks_app.models import Task, TaskKind
 from tasks_app.stream_access import StreamAccess
 from tasks_app.streams import SSE_HEADERS, admitted, lmsp_frame
 
@@ -37,7 +40,8 @@ class ModelListView(APIView):
     required_scopes = {"GET": "models:read"}
 
     def get(self, request: Request) -> DRFResponse:
-        models = [protocol.model_object(spec) for spec in available_models().values()]
+        allowed = allowed_models(cast(ApiToken, request.auth))
+        models = [protocol.model_object(spec) for spec in listed_models(allowed)]
         return DRFResponse(protocol.list_object(models))
 
 
@@ -45,7 +49,9 @@ class ModelDetailView(APIView):
     required_scopes = {"GET": "models:read"}
 
     def get(self, request: Request, model_id: str) -> DRFResponse:
-        return DRFResponse(protocol.model_object(get_model(model_id, param="model_id")))
+        allowed = allowed_models(cast(ApiToken, request.auth))
+        spec = get_model(model_id, param="model_id", allowed=allowed)
+        return DRFResponse(protocol.model_object(spec))
 
 
 class ResponseDetailView(APIView):
@@ -62,10 +68,10 @@ class ResponseDetailView(APIView):
         return DRFResponse(protocol.deleted_object(response_id))
 
 
-def _final_answer(body: dict) -> HttpResponse:
+def _final_answer(body: dict, headers: dict[str, str]) -> HttpResponse:
     if body["status"] == "failed":
         raise ProblemError(body["error"]["code"], body["error"]["detail"])
-    return JsonResponse(body)
+    return JsonResponse(body, headers=headers)
 
 
 @csrf_free
@@ -81,9 +87,7 @@ async def create_response(request: HttpRequest) -> HttpResponseBase:
     key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
     body = await cpu_call(_validated_body, request)
     leave = direct.cancels_if_left(key, body["stream"])
-    task = await direct.accepted(
-        db_call(submit, token.owner, body, kind=TaskKind.DIRECT, idempotency_key=key), leave
-    )
+    task = await direct.accepted(db_call(_submitted, token, body, key), leave)
     access = StreamAccess.of(token)
     release = direct.admit_replay(task, token)
     if body["stream"]:
@@ -91,9 +95,21 @@ async def create_response(request: HttpRequest) -> HttpResponseBase:
         return StreamingHttpResponse(
             admitted(_direct_stream(events), release),
             content_type="text/event-stream",
-            headers=SSE_HEADERS,
+            headers={**SSE_HEADERS, **budgets.headers_of(task)},
         )
-    return _final_answer(await direct.final_result(task, leave, access, release))
+    result = await direct.final_result(task, leave, access, release)
+    return _final_answer(result, budgets.headers_of(task))
+
+
+def _submitted(token: ApiToken, body: dict, key: str | None) -> Task:
+    """``submit`` for the request's token, with the models it may use."""
+    return submit(
+        token.owner,
+        body,
+        kind=TaskKind.DIRECT,
+        idempotency_key=key,
+        allowed_models=allowed_models(token),
+    )
 
 
 def _validated_body(request: HttpRequest) -> dict:

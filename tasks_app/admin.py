@@ -5,6 +5,7 @@ limit, so this app extends the user admin rather than the accounts app."""
 from collections.abc import Callable
 from datetime import timedelta
 
+from django import forms
 from django.contrib import admin, messages
 from django.contrib.auth import get_user_model
 from django.contrib.auth.admin import UserAdmin as BaseUserAdmin
@@ -13,11 +14,13 @@ from django.db.models import Model, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
 from django.utils import timezone
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import mark_safe
 
+from accounts_app.model_choice import AllowedModelsField
 from lmsp_core.errors import ProblemError
 
-from . import lifecycle, quotas, selectors
+from . import budgets, lifecycle, quotas, selectors
 from .models import OwnerQuota, Task
 
 
@@ -118,11 +121,51 @@ class TaskAdmin(admin.ModelAdmin):
         _apply(self, request, queryset, lifecycle.requeue_failed, "Re-queued")
 
 
+QUOTA_FIELDS = (
+    "max_running",
+    "max_queued",
+    "output_tokens_per_minute",
+    "allowed_models",
+    "input_tokens_per_day",
+    "output_tokens_per_day",
+    "input_tokens_per_month",
+    "output_tokens_per_month",
+)
+
+
+class OwnerQuotaForm(forms.ModelForm):
+    allowed_models = AllowedModelsField("The models this owner may use. None ticked: every model.")
+
+    class Meta:
+        model = OwnerQuota
+        fields = QUOTA_FIELDS
+
+
 class OwnerQuotaInline(admin.StackedInline):
     model = OwnerQuota
+    form = OwnerQuotaForm
     can_delete = False
     verbose_name = verbose_name_plural = "LMSP quotas (empty: the default from settings)"
-    fields = ("max_running", "max_queued", "output_tokens_per_minute")
+    fields = (*QUOTA_FIELDS, "budgets_left")
+    readonly_fields = ("budgets_left",)
+
+    @admin.display(description="Budgets now")
+    def budgets_left(self, quota: OwnerQuota | None) -> str:
+        """Each budget that is set: what its period has used (requests in
+        flight with their input and whole output reservation) and what is left."""
+        if quota is None or quota.pk is None:
+            return "-"
+        set_budgets = budgets.current(quota.owner_id, timezone.now())
+        if not set_budgets:
+            return "No budget."
+        return format_html(
+            '<span id="lmsp-budgets">{}</span>',
+            format_html_join(
+                mark_safe("<br>"),
+                "{} tokens this UTC {}: {} used or reserved of {}, {} left",
+                ((b.tokens, b.period, b.used, b.limit, b.left_after(0, 0)) for b in set_budgets),
+            ),
+        )
 
 
 User = get_user_model()

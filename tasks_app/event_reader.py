@@ -134,6 +134,7 @@ TOKEN_FIELDS = (
     "prefix",
     "secret_hash",
     "scopes",
+    "allowed_models",
     "expires_at",
     "revoked_at",
     "last_used_at",

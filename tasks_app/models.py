@@ -77,6 +77,8 @@ class Task(models.Model):
     events_at_creation: Sequence[Any] = ()
     # Found under an idempotency key, not started by this request (``idempotency``).
     replayed: bool = False
+    # What its owner's budgets have left, as its answer's header says (``budgets``).
+    budget_remaining: str = ""
 
     def __str__(self) -> str:
         return self.id

@@ -1,4 +1,7 @@
-"""Per-owner quotas: generations at once, tasks waiting, output tokens a minute.
+"""Per-owner quotas: generations at once, tasks waiting, output tokens a
+minute; and the token budgets per UTC day and month, whose counting
+(in-flight requests charged their input and their whole output reservation
+until they end) is told in ``tasks_app.budgets``.
 
 Counting is race-free because every submit of an owner (in the statement of
 ``tasks_app.services.start_task``) and every claim that checks the owner's
@@ -24,6 +27,7 @@ from django.utils import timezone
 from lmsp_core.errors import ProblemError
 from lmsp_core.status import Status
 
+from . import budgets
 from .locking import locked_row
 from .models import OwnerQuota, Task, UsageRecord
 
@@ -109,16 +113,19 @@ def _token_retry_after(owner_id: int, limit: int, now: datetime) -> int | None:
     return None if total < limit else math.ceil(TOKEN_WINDOW.total_seconds())
 
 
-def refuse_if_over(owner_id: int) -> None:
-    """Refuse (429) a request of an owner already past its queued-task or
-    output-token quota, before the costly part of accepting it (compiling its
-    grammar). A read without the owner's lock: the submit's own admission
-    (``services.start_task``) still decides, this only spares the work."""
+def refuse_if_over(owner_id: int, input_tokens: int) -> None:
+    """Refuse (429) a request of ``input_tokens`` from an owner already past its
+    queued-task or output-token quota or one of its token budgets, before the
+    costly part of accepting it (compiling its grammar). A read without the
+    owner's lock: the submit's own admission (``services.start_task``) still
+    decides, this only spares the work."""
     limits = limits_for(owner_id)
     waiting = 0
     if limits.max_queued:
         waiting = Task.objects.filter(owner_id=owner_id, status=Status.QUEUED).count()
-    admit(owner_id, limits, waiting, timezone.now())
+    now = timezone.now()
+    admit(owner_id, limits, waiting, now)
+    budgets.refuse_if_over(budgets.current(owner_id, now), input_tokens, now)
 
 
 def admit(owner_id: int, limits: Limits, waiting: int, now: datetime) -> None:

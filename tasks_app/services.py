@@ -1,5 +1,5 @@
 """Writes that start and stop tasks; a start is admitted first (the owner's
-quotas, 429, and the model's whole queue, 503)."""
+quotas and token budgets, 429, and the model's whole queue, 503)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from lmsp_core.errors import ProblemError
 from lmsp_core.ids import new_id
 from lmsp_core.status import Status
 
-from . import fairness, lifecycle, quotas, routing
+from . import budgets, fairness, lifecycle, quotas, routing
 from .event_log import EventLog
 from .models import Event, Task, UsageRecord
 
@@ -27,7 +27,9 @@ from .models import Event, Task, UsageRecord
 # one). The first two statements create the owner's quota row if missing and
 # lock it. The third, with a snapshot taken after the lock (so that it counts
 # the tasks of a submit that held the lock before), reads the admission's
-# figures and inserts the new rows ({inserts}) only if they admit the request.
+# figures and inserts the new rows ({inserts}) only if they admit the request;
+# its ``used`` part reads the owner's token budgets' periods only when one is
+# set (``budgets``).
 SUBMIT_SQL = """
 INSERT INTO tasks_app_ownerquota (owner_id)
 SELECT %(owner)s WHERE NOT EXISTS (SELECT FROM tasks_app_ownerquota WHERE owner_id = %(owner)s)
@@ -36,11 +38,13 @@ SELECT FROM tasks_app_ownerquota WHERE owner_id = %(owner)s FOR UPDATE;
 WITH limits AS (
     SELECT coalesce(max_running, %(max_running)s) AS max_running,
            coalesce(max_queued, %(max_queued)s) AS max_queued,
-           coalesce(output_tokens_per_minute, %(tokens_per_minute)s) AS tokens_per_minute
+           coalesce(output_tokens_per_minute, %(tokens_per_minute)s) AS tokens_per_minute,
+           {budget_columns}
       FROM tasks_app_ownerquota WHERE owner_id = %(owner)s
 ),
+used AS ({used}),
 admission AS (
-    SELECT limits.*,
+    SELECT limits.*, used.*,
            (SELECT count(*) FROM tasks_app_task
              WHERE owner_id = %(owner)s AND status = %(queued)s) AS owner_queued,
            (SELECT count(*) FROM tasks_app_task
@@ -50,15 +54,16 @@ admission AS (
                  WHERE owner_id = %(owner)s AND completed_at >= %(minute_ago)s)
            END AS recent_tokens,
            {fair_key} AS fair_key
-      FROM limits
+      FROM limits, used
 ),
 admitted AS (
     SELECT fair_key AS admitted_fair_key FROM admission
      WHERE (max_queued = 0 OR owner_queued < max_queued)
        AND (tokens_per_minute = 0 OR recent_tokens < tokens_per_minute)
-       AND model_queued < %(max_model_queued)s
+       AND model_queued < %(max_model_queued)s{budgets_admit}
 ){inserts}
 SELECT max_running, max_queued, tokens_per_minute, owner_queued, model_queued, fair_key,
+       {budget_columns}, input_day, output_day, input_month, output_month,
        EXISTS (SELECT FROM admitted)
   FROM admission
 """
@@ -89,7 +94,13 @@ def _submit_sql(response_model: type[Model]) -> str:
         _insert_if_admitted(Event, "%(created_event)s::jsonb"),
         _insert_if_admitted(UsageRecord, "%(usage)s::jsonb"),
     ]
-    return SUBMIT_SQL.format(fair_key=fairness.FAIR_KEY_SQL, inserts="".join(inserts))
+    return SUBMIT_SQL.format(
+        budget_columns=budgets.BUDGET_COLUMNS,
+        used=budgets.USED_SQL,
+        budgets_admit=budgets.ADMITS_SQL,
+        fair_key=fairness.FAIR_KEY_SQL,
+        inserts="".join(inserts),
+    )
 
 
 def start_task(
@@ -103,7 +114,9 @@ def start_task(
 ) -> Task:
     """Store ``response`` (its app's row, built unsaved) and the task that
     generates it, with the task's ``response.created`` event and its usage
-    record, if the owner's quotas (429 rate_limited, see ``quotas``) and the
+    record, if the owner's quotas and token budgets (429 rate_limited, see
+    ``quotas`` and ``budgets``; what the budgets have left is set on the
+    task's ``budget_remaining``) and the
     model's whole queue (503 overloaded) admit the request; queue the job
     once committed. All in one statement: the owner's row is locked, the
     figures read and the rows inserted in one round trip, where the ORM's
@@ -145,6 +158,8 @@ def start_task(
         "tokens_per_minute": settings.LMSP_QUOTA_OUTPUT_TOKENS_PER_MINUTE,
         "minute_ago": now - quotas.TOKEN_WINDOW,
         "max_model_queued": settings.LMSP_MAX_QUEUED_PER_MODEL,
+        "input_tokens": input_tokens,
+        **budgets.sql_params(owner.pk, now),
         "response": rows.as_record(response),
         "task": rows.as_record(task),
         "created_event": rows.as_record(created_event),
@@ -154,15 +169,19 @@ def start_task(
         cursor.execute(_submit_sql(type(response)), params)
         cursor.nextset()  # the quota row created if missing
         cursor.nextset()  # and locked
-        *limits, owner_queued, model_queued, fair_key, admitted = cursor.fetchone()
-    if not admitted:
+        row = cursor.fetchone()
+    *limits, owner_queued, model_queued, fair_key = row[:6]
+    owner_budgets = budgets.budgets_of(row[6:10], row[10:14])
+    if not row[14]:  # not admitted
         quotas.admit(owner.pk, quotas.Limits(*limits), owner_queued, now)  # 429 if a quota is why
+        budgets.refuse_if_over(owner_budgets, input_tokens, now)  # or a budget
         raise ProblemError(  # else the model's queue is full
             "overloaded",
             f"{model_queued} requests are already waiting for {spec.id!r}; try again later.",
             headers={"Retry-After": "10"},
         )
     task.fair_key = fair_key
+    task.budget_remaining = budgets.header_value(owner_budgets, input_tokens, task.cost)
     # What its first follower in this process need not read back (``streams``).
     task.events_at_creation = announced
     lifecycle.enqueue_on_commit(task, *routing.queue_for(spec, follows))

@@ -14,8 +14,9 @@ from django.contrib.auth.models import User
 
 from .models import Task
 
-# (owner, the body's "request" object, the Idempotency-Key or None) -> the task
-Starter = Callable[[User, dict, str | None], Task]
+# (owner, the body's "request" object, the Idempotency-Key or None, the models
+# the caller may use or None for all: ``model_access``) -> the task
+Starter = Callable[[User, dict, str | None, frozenset[str] | None], Task]
 
 _starters: dict[str, Starter] = {}
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
 from rest_framework.request import Request
 from rest_framework.response import Response as DRFResponse
@@ -16,7 +18,8 @@ from lmsp_core.http import check_method, csrf_free
 from lmsp_core.ids import is_valid_id
 from lmsp_core.validation import integer_param, validation_problem
 
-from . import event_reader, fairness, idempotency, selectors, services, task_types
+from . import budgets, event_reader, fairness, idempotency, selectors, services, task_types
+from .model_access import allowed_models
 from .models import Task
 from .serializers import TaskRequestSerializer
 from .stream_access import StreamAccess
@@ -36,11 +39,12 @@ class TaskCollectionView(APIView):
         if not serializer.is_valid():
             raise validation_problem(serializer.errors)
         start = task_types.starter(serializer.validated_data["type"])
-        task = start(owner_of(request), serializer.validated_data["request"], key)
+        allowed = allowed_models(cast(ApiToken, request.auth))
+        task = start(owner_of(request), serializer.validated_data["request"], key, allowed)
         return DRFResponse(
             _task_object(task),
             status=202,
-            headers={"Location": f"/lmsp/v1/tasks/{task.id}"},
+            headers={"Location": f"/lmsp/v1/tasks/{task.id}", **budgets.headers_of(task)},
         )
 
     def get(self, request: Request) -> DRFResponse:

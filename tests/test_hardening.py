@@ -110,7 +110,7 @@ def test_a_worker_fails_a_claimed_task_whose_model_is_gone():
 
 def keyed_submit(owner, key: str) -> Task:  # noqa: ANN001
     request = validate_response_request(request_body())
-    return submit(owner, request, kind=TaskKind.TASK, idempotency_key=key)
+    return submit(owner, request, kind=TaskKind.TASK, idempotency_key=key, allowed_models=None)
 
 
 def test_a_claim_whose_request_died_is_taken_over(settings):

@@ -51,7 +51,7 @@ def test_a_slow_direct_reader_gets_its_whole_answer_though_it_was_discarded(stac
     settings.LMSP_STREAM_WINDOW_EVENTS = 32  # as the stack's, an int as the service reads it
     owner = get_user_model().objects.get(username="alice")
     request = validate_response_request(request_body(LONG_STORY, stream=True, max_output_tokens=80))
-    task = submit(owner, request, kind=TaskKind.DIRECT, idempotency_key=None)
+    task = submit(owner, request, kind=TaskKind.DIRECT, idempotency_key=None, allowed_models=None)
     access = StreamAccess.of(ApiToken.objects.get(owner=owner))
 
     def ended_and_discarded() -> int | None:

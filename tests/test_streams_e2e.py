@@ -420,7 +420,7 @@ def test_a_direct_stream_started_from_its_first_events_gets_those_it_missed(stac
     answer. The stream still gets every event, in order, and ends."""
     owner = get_user_model().objects.get(username="alice")
     request = validate_response_request(request_body(stream=True, max_output_tokens=4))
-    task = submit(owner, request, kind=TaskKind.DIRECT, idempotency_key=None)
+    task = submit(owner, request, kind=TaskKind.DIRECT, idempotency_key=None, allowed_models=None)
     assert [e.id for e in task.events_at_creation] == [1]
     deadline = time.monotonic() + 120
     while (done := Task.objects.get(id=task.id)).status not in FINAL_STATUSES:
