@@ -50,6 +50,7 @@ class Outcome:
     output: list = field(default_factory=list)
     output_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the worker's prefix cache supplied
+    worker_seconds: float = 0.0  # the ending attempt's time in the engine
     error: dict | None = None
     incomplete_details: dict | None = None
 
@@ -326,17 +327,19 @@ def _values(width: int, params: int) -> str:
     return ", ".join([row] * (params // width))
 
 
-def hand_back(flush: Flush) -> bool:
+def hand_back(flush: Flush, worker_seconds: float = 0.0) -> bool:
     """A worker gives a running task back to the queue (its engine needed the
     memory, or the worker is draining): its last flush is written, with the
     checkpoint the next attempt resumes from, and the task is queued again at
     once, in one transaction. It keeps its fair key, so it is claimed before
     anything queued after it; a cancel asked meanwhile ends it instead. False
-    if the worker had lost the task already."""
+    if the worker had lost the task already. ``worker_seconds``: the
+    attempt's time in the engine, for the request's usage."""
     with transaction.atomic():
         if not record_progress_many([flush])[0].owned:
             return False
         task = Task.objects.select_for_update().select_related("response").get(id=flush.task_id)
+        usage.add_worker_seconds(task.response_id, worker_seconds)
         if task.cancel_requested:
             _finalize(task, *_partial_outcome(task, Status.CANCELLED))
             return True
@@ -398,7 +401,7 @@ def _finalize(task: Task, events: list[tuple[str, dict]], outcome: Outcome) -> N
         outcome.status,
         output_tokens=outcome.output_tokens,
         cached_tokens=outcome.cached_tokens,
-        started_at=task.started_at,
+        worker_seconds=outcome.worker_seconds,
         now=now,
     )
     _resend_held_back(task.owner_id)
@@ -600,7 +603,7 @@ def deleting(tasks: QuerySet[Task]) -> None:
             Status.CANCELLED,
             output_tokens=(task.checkpoint or {}).get("tokens", 0),
             cached_tokens=0,
-            started_at=task.started_at,
+            worker_seconds=0.0,
             now=now,
         )
 
@@ -614,7 +617,7 @@ def _stop_when_deleted(tasks: QuerySet[Task]) -> list[Task]:
     again). Returns them."""
     assert transaction.get_connection().in_atomic_block, "deleting needs a transaction"
     unfinished = tasks.exclude(status__in=FINAL_STATUSES).select_for_update().order_by("id")
-    locked = list(unfinished.only("id", "response_id", "started_at", "checkpoint"))
+    locked = list(unfinished.only("id", "response_id", "checkpoint"))
     for task in locked:
         transaction.on_commit(functools.partial(notify.publish_cancel, task.id))
         transaction.on_commit(functools.partial(notify.publish_changed, task.id))

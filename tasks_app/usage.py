@@ -6,10 +6,12 @@ so a request is counted once, whatever retries, hand-backs or stale attempts
 come after; an operator's re-run of a failed task (``reopen``) takes it out
 of its day first, and its new end adds it again.
 
-``worker_seconds`` is the time from the task's start (its first claim by a
-worker, ``Task.started_at``) to its end: time a request queued again after a
-hand-back or a lost worker is in it, its wait before its first start is not.
-A request that never started has 0. ``cached_tokens`` are the prompt tokens
+``worker_seconds`` is the time a request spent in workers' engines: each
+attempt's, from its submit to the engine to its last token (a wait for a
+batch slot included; loading the model, time in the queue and an attempt
+whose worker died are not). An attempt handed back adds its time then
+(``add_worker_seconds``), the last one when it ends; a request that never
+reached an engine has 0. ``cached_tokens`` are the prompt tokens
 the prefix cache supplied to the attempt that ended it (0 when the worker
 did not end it: a cancel while queued, a lost worker, an erasure).
 """
@@ -41,7 +43,8 @@ END_SQL = f"""
 WITH ended AS (
     UPDATE tasks_app_usagerecord
        SET status = %(status)s, output_tokens = %(output_tokens)s,
-           cached_tokens = %(cached_tokens)s, worker_seconds = %(worker_seconds)s,
+           cached_tokens = %(cached_tokens)s,
+           worker_seconds = worker_seconds + %(worker_seconds)s,
            completed_at = %(completed_at)s
      WHERE response_id = %(response_id)s AND status = %(in_progress)s
  RETURNING owner_id, model, created_at, {", ".join(FIGURES)}
@@ -56,8 +59,7 @@ WITH ended AS (
 ),
 reopened AS (
     UPDATE tasks_app_usagerecord AS record
-       SET status = %(in_progress)s, output_tokens = 0, cached_tokens = 0, worker_seconds = 0,
-           completed_at = NULL
+       SET status = %(in_progress)s, output_tokens = 0, cached_tokens = 0, completed_at = NULL
       FROM ended WHERE record.id = ended.id
 )
 UPDATE tasks_app_dailyusage AS daily
@@ -75,12 +77,12 @@ def end(
     *,
     output_tokens: int,
     cached_tokens: int,
-    started_at: datetime | None,
+    worker_seconds: float,
     now: datetime,
 ) -> None:
-    """Complete the request's usage record and add it to its day, unless it
-    was completed already (then nothing changes)."""
-    worker_seconds = max(0.0, (now - started_at).total_seconds()) if started_at else 0.0
+    """Complete the request's usage record (``worker_seconds``: its last
+    attempt's) and add it to its day, unless it was completed already (then
+    nothing changes)."""
     with connection.cursor() as cursor:
         cursor.execute(
             END_SQL,
@@ -96,9 +98,21 @@ def end(
         )
 
 
+def add_worker_seconds(response_id: str, seconds: float) -> None:
+    """An attempt handed back: its time goes on the request's record, which
+    its day gets when the request ends."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE tasks_app_usagerecord SET worker_seconds = worker_seconds + %s"
+            " WHERE response_id = %s AND status = %s",
+            [seconds, response_id, Status.IN_PROGRESS.value],
+        )
+
+
 def reopen(response_id: str) -> None:
     """A failed request runs again: it leaves its day's figures and its
-    record is in progress again, until its new end adds it back."""
+    record is in progress again, until its new end adds it back (with the
+    failed run's worker time, which was spent, but its new run's tokens)."""
     with connection.cursor() as cursor:
         cursor.execute(
             REOPEN_SQL, {"response_id": response_id, "in_progress": Status.IN_PROGRESS.value}

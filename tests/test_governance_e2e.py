@@ -271,6 +271,25 @@ def test_accepted_requests_are_told_what_is_left(stack: Stack, transactional_db:
     )
 
 
+def test_a_request_that_ended_is_charged_what_it_used_not_its_reservation(
+    stack: Stack, transactional_db: None
+) -> None:
+    """No usage written by hand: the first request's own end (the worker's
+    transaction) puts it in the owner's day, and the second is told what is
+    left after the first's real figures, then refused once they use it up."""
+    _, token = owner_named("charged", input_tokens_per_day=10_000, output_tokens_per_day=1_000)
+    with client(stack.base_url, token) as http:
+        first = http.post("/lmsp/v1/responses", json=request_body(max_output_tokens=200))
+        second = http.post("/lmsp/v1/responses", json=request_body(max_output_tokens=16))
+    assert first.status_code == second.status_code == 200, (first.text, second.text)
+    used_first, used_second = first.json()["usage"], second.json()["usage"]
+    assert used_first["output_tokens"] < 200  # it ended on its own: a reservation would differ
+    assert second.headers["LMSP-Budget-Remaining"] == (
+        f"input-tokens-day={10_000 - used_first['input_tokens'] - used_second['input_tokens']}, "
+        f"output-tokens-day={1_000 - used_first['output_tokens'] - 16}"
+    )
+
+
 @pytest.mark.parametrize(
     "path, body",
     [

@@ -69,7 +69,8 @@ def test_a_run_completes_its_record_and_adds_it_to_its_day_once():
     assert record.status == task.status and record.completed_at == task.completed_at
     assert record.output_tokens == task.response.output_tokens > 0
     assert record.input_tokens == task.response.input_tokens
-    assert record.worker_seconds == (task.completed_at - task.started_at).total_seconds()
+    # the attempt's time in the engine: within its claim and its end, the model's loading out
+    assert 0 < record.worker_seconds < (task.completed_at - task.started_at).total_seconds()
     assert day_of(task) == as_day(record)
     # a redelivered message, a stale attempt's finish and a second end change nothing
     assert run_task(task.id, "late-redelivery") is None
@@ -80,7 +81,7 @@ def test_a_run_completes_its_record_and_adds_it_to_its_day_once():
         Status.COMPLETED,
         output_tokens=99,
         cached_tokens=99,
-        started_at=task.started_at,
+        worker_seconds=99.0,
         now=task.completed_at,
     )
     assert UsageRecord.objects.get(response_id=task.response_id) == record
@@ -108,11 +109,13 @@ def test_a_handed_back_task_is_counted_once_when_it_ends():
     task = new_task(max_output_tokens=8)
     claimed = lifecycle.claim(task.id, "w1")
     flush = lifecycle.Flush(task.id, claimed.attempt, [], [], checkpoint_of(task, tokens=0))
-    assert lifecycle.hand_back(flush)
+    assert lifecycle.hand_back(flush, worker_seconds=2.5)
     assert not DailyUsage.objects.exists()  # not ended: not counted yet
+    assert UsageRecord.objects.get(response_id=task.response_id).worker_seconds == 2.5
     assert run_task(task.id, "w2") in ("completed", "incomplete")
     record = UsageRecord.objects.get(response_id=task.response_id)
     assert day_of(task) == as_day(record) and day_of(task)["requests"] == 1
+    assert record.worker_seconds > 2.5  # the handed-back attempt's time, and the last one's
 
 
 def test_a_failed_task_run_again_counts_as_its_new_run_only():

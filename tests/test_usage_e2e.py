@@ -20,6 +20,7 @@ from django.utils import timezone
 from playwright import sync_api
 
 from ops_app import usage_report
+from tasks_app.models import OwnerQuota
 
 from .conftest import make_token, request_body, user_message
 from .test_browser import CHROMIUM, CHROMIUM_ARGS, PASSWORD, SCREENSHOTS, shot
@@ -106,6 +107,10 @@ def test_usage_tables_equal_the_sums_of_the_requests_usage(stack, api, transacti
     assert csv_sums(out.getvalue()) == want
 
     alice = get_user_model().objects.get(username="alice")
+    # Her page shows her models and her budget with what her requests left of it.
+    OwnerQuota.objects.update_or_create(
+        owner=alice, defaults={"allowed_models": [MODEL], "output_tokens_per_day": 1_000}
+    )
     get_user_model().objects.create_superuser("root", password=PASSWORD)
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as playwright:
@@ -139,6 +144,12 @@ def walk_through_usage(page, base: str, alice_id: int, want: dict[str, Counter])
     downloaded = {"service": csv_download(page)}
 
     page.goto(f"{base}/admin/auth/user/{alice_id}/change/")
+    spent = want["alice"]["output_tokens"]
+    expect(page.locator(f"input[name='quota-0-allowed_models'][value='{MODEL}']")).to_be_checked()
+    expect(page.locator("body")).to_contain_text(
+        f"output tokens this UTC day: {spent} used or reserved of 1000, {1_000 - spent} left"
+    )
+    shot(page, "13-owner-models-and-budgets")
     page.click("#lmsp-usage-link")
     expect(page.locator("h1")).to_contain_text("Usage of alice")
     expect(page.locator("#usage-table tbody tr[data-owner='bob']")).to_have_count(0)

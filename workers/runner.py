@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
@@ -111,6 +112,7 @@ class GenerationRun:
         self.ended_by_model = False
         self.ended_by_grammar = False  # complete, but the token limit came before the end token
         self.cached_tokens = 0  # prompt tokens this attempt took from the engine's prefix cache
+        self.worker_seconds = 0.0  # this attempt's time in the engine, for usage
         # LMSP_MAX_JOB_SECONDS from the task's first start, over all attempts.
         self.deadline = (task.started_at or timezone.now()) + timedelta(
             seconds=settings.LMSP_MAX_JOB_SECONDS
@@ -138,7 +140,7 @@ class GenerationRun:
             # What the detokenizer holds back stays held: the next attempt
             # resumes from this checkpoint as if nothing happened.
             log.info("Task %s attempt %s preempted; handed back", self.task_id, self.attempt)
-            lifecycle.hand_back(self._progress(detok))
+            lifecycle.hand_back(self._progress(detok), self.worker_seconds)
             return None
         self.pending += self.assembler.feed(detok.rest(self.token_ids))
         return self._finish()
@@ -204,6 +206,7 @@ class GenerationRun:
             timer.push()
             # A resume's prompt holds the tokens generated before it: only the prompt's count.
             self.cached_tokens = min(generation.cached_tokens, len(prompt_ids))
+            self.worker_seconds = time.monotonic() - generation.submitted_at
         if generation.error is not None:
             raise generation.error
         if generation.finish_reason == "preempted" and self.stop is None:
@@ -286,6 +289,7 @@ class GenerationRun:
             output=self.assembler.items,
             output_tokens=usage["output_tokens"],
             cached_tokens=self.cached_tokens,
+            worker_seconds=self.worker_seconds,
             incomplete_details=incomplete,
         )
         return (
@@ -310,6 +314,7 @@ class GenerationRun:
             output=self.assembler.items,
             output_tokens=len(self.token_ids),
             cached_tokens=self.cached_tokens,
+            worker_seconds=self.worker_seconds,
             error=error,
         )
         ok = lifecycle.finish(self.task_id, self.attempt, events, outcome)

@@ -1,7 +1,7 @@
 """Existing deployments show their history on the usage pages: the usage
 records stored before 0007 get their worker seconds from their tasks (where
-the tasks still exist: from the task's start to its end, as
-``tasks_app.usage`` counts them), and DailyUsage is rebuilt from every ended
+the tasks still exist: an estimate, from the task's start to its end, since
+nothing measured their time in the engine then), and DailyUsage is rebuilt from every ended
 usage record (a record still in progress is added when it ends). The SQL is
 written out here rather than imported, so this migration keeps doing what it
 did when the code moves on."""
