@@ -53,6 +53,7 @@ PROMPT = "Write a long, detailed story about a lighthouse keeper."
 VENV = Path(os.environ.get("LMSP_VLLM_VENV", ROOT / ".data" / "vllm-venv"))
 WEIGHTS = Path(os.environ.get("LMSP_MODEL_CACHE", ROOT / ".data" / "models")) / "smollm2-135m"
 VLLM_PORT = 8432
+CONTEXT_WINDOW = 8192  # models.toml's, given to vLLM as --max-model-len
 TARGETS = [
     Target(
         "c=1 tokens/s, service / vLLM", 1.0, at_most=False, unit="x", conditions={"tokens": 128}
@@ -200,6 +201,18 @@ def _vllm_dist_info(python: Path) -> None:
     (target / "METADATA").write_text("\n".join(renamed) + "\n")
 
 
+def kv_cache_bytes() -> int:
+    """The room the service gives keys and values on a CPU (``CPU_BUDGET_CONTEXTS``
+    contexts, fp32), given to vLLM too: by default its CPU backend reserves
+    92% of the machine's memory and refuses to start when less is free."""
+    from workers.loading import CPU_BUDGET_CONTEXTS
+
+    config = json.loads((WEIGHTS / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+    return CPU_BUDGET_CONTEXTS * CONTEXT_WINDOW * per_token
+
+
 @contextmanager
 def vllm_server(python: Path) -> Iterator[str]:
     log = ROOT / "test-artifacts" / "bench" / "vllm.log"
@@ -207,7 +220,9 @@ def vllm_server(python: Path) -> Iterator[str]:
     argv = [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(WEIGHTS),
         "--served-model-name", MODEL, "--dtype", "float32", "--port", str(VLLM_PORT),
-        "--max-model-len", "8192",
+        "--max-model-len", str(CONTEXT_WINDOW), "--kv-cache-memory-bytes", str(kv_cache_bytes()),
+        # The startup check of free memory still reads this fraction.
+        "--gpu-memory-utilization", "0.5",
     ]  # fmt: skip
     with open(log, "w") as output:
         server = subprocess.Popen(

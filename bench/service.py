@@ -115,15 +115,32 @@ def _wait_until_it_generates(base_url: str, token: str, timeout: float = 600) ->
 
 
 @contextlib.contextmanager
+def _environment_restored(environment: dict[str, str]) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        from django.db import connections
+
+        connections.close_all()
+        os.environ.clear()
+        os.environ.update(environment)
+
+
+@contextlib.contextmanager
 def procfile_service(port: int = 8431, **settings: str) -> Iterator[Service]:
     """The Procfile's processes under honcho on ``port``, ``settings`` added to
-    their environment; stopped (SIGTERM to honcho, which stops them) on exit."""
+    their environment; stopped (SIGTERM to honcho, which stops them) on exit.
+    Each call starts its own embedded servers (or uses ``DATABASE_URL`` /
+    ``REDIS_URL`` as the caller set them): this process's environment is put
+    back and its connections closed on exit, so a second call (the next
+    round of a bench) does not reach for the servers the first one stopped."""
     from lmsp_project.devstack import services
 
     # SIGTERM unwinds like Ctrl-C: the service and the embedded servers are
     # stopped, not left behind.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    with services() as started:
+    environment = dict(os.environ)
+    with services() as started, _environment_restored(environment):
         os.environ.update(started)
         os.environ["DATABASE_URL"] = bench_database(os.environ["DATABASE_URL"], DATABASE)
         import django
