@@ -558,15 +558,10 @@ def test_dashboard_shows_the_queue_per_owner(admin_client, alice):
     assert f'<a href="{user_url}">alice</a></td><td>2</td><td>1</td><td>1</td>' in owners
 
 
-def test_user_page_shows_usage_and_sets_quotas(admin_client, alice):
-    from tasks_app.models import OwnerQuota
-
-    make_response(alice, [message("user", "a")], status="in_progress", task_status="queued")
-    url = reverse("admin:auth_user_change", args=[alice.pk])
-    page = admin_client.get(url).content.decode()
-    assert "1 queued of 200, 0 running (no limit)" in page  # the defaults from settings
-    form = {
-        "username": alice.username,
+def quota_form(owner, **quota: object) -> dict:  # noqa: ANN001 - a User
+    """The user page's form with the owner's quota inline set to ``quota``."""
+    form: dict[str, object] = {
+        "username": owner.username,
         "date_joined_0": "2026-01-01",
         "date_joined_1": "00:00:00",
         "is_active": "on",
@@ -574,11 +569,20 @@ def test_user_page_shows_usage_and_sets_quotas(admin_client, alice):
         "quota-INITIAL_FORMS": "0",
         "quota-MIN_NUM_FORMS": "0",
         "quota-MAX_NUM_FORMS": "1",
-        "quota-0-max_running": "1",
-        "quota-0-max_queued": "3",
-        "quota-0-output_tokens_per_minute": "",
-        "quota-0-owner": str(alice.pk),
+        "quota-0-owner": str(owner.pk),
     }
+    form.update({f"quota-0-{name}": value for name, value in quota.items()})
+    return form
+
+
+def test_user_page_shows_usage_and_sets_quotas(admin_client, alice):
+    from tasks_app.models import OwnerQuota
+
+    make_response(alice, [message("user", "a")], status="in_progress", task_status="queued")
+    url = reverse("admin:auth_user_change", args=[alice.pk])
+    page = admin_client.get(url).content.decode()
+    assert "1 queued of 200, 0 running (no limit)" in page  # the defaults from settings
+    form = quota_form(alice, max_running="1", max_queued="3", output_tokens_per_minute="")
     answer = admin_client.post(url, form)
     assert answer.status_code == 302, answer.content.decode()[:2000]
     quota = OwnerQuota.objects.get(owner=alice)

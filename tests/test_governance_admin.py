@@ -15,26 +15,12 @@ from accounts_app.models import ApiToken
 from accounts_app.services import issue_token
 from tasks_app.models import DailyUsage, OwnerQuota
 
+from .test_admin import quota_form
+
 
 @pytest.fixture
 def alice(db: None) -> User:
     return User.objects.create_user("alice")
-
-
-def quota_form(alice: User, **quota: object) -> dict:
-    form: dict[str, object] = {
-        "username": alice.username,
-        "date_joined_0": "2026-01-01",
-        "date_joined_1": "00:00:00",
-        "is_active": "on",
-        "quota-TOTAL_FORMS": "1",
-        "quota-INITIAL_FORMS": "0",
-        "quota-MIN_NUM_FORMS": "0",
-        "quota-MAX_NUM_FORMS": "1",
-        "quota-0-owner": str(alice.pk),
-    }
-    form.update({f"quota-0-{name}": value for name, value in quota.items()})
-    return form
 
 
 def test_user_page_sets_models_and_budgets_and_shows_what_is_left(
