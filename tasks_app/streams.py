@@ -372,7 +372,10 @@ class TaskFeed:
             self._pending.clear()
             self._notify()
             return
-        self.task_final = position.status in FINAL_STATUSES
+        # Known final only once the events read with this position are in:
+        # set before a read's await, a follower woken meanwhile (a keep-alive)
+        # would end at the last event it has, short of the final one.
+        final = position.status in FINAL_STATUSES
         self.task_queued = position.status == Status.QUEUED
         if self.task_queued and asyncio.get_running_loop().time() >= self._position_due:
             # one more read, shared by the task's followers
@@ -389,11 +392,13 @@ class TaskFeed:
             pending, self._pending = self._pending, []
             for batch in pending:
                 self._apply(batch)
+            self.task_final = final
             self._notify()
             return
         if position.pruned_through > self.last:
             # Removed before this feed got them: followers still before them end.
             self._restart_window(position.pruned_through)
+            self.task_final = final
             self._notify()
             return
         if position.last_event_id > self.last:
@@ -402,6 +407,7 @@ class TaskFeed:
                 self._restart_window(start)
             rows = await self._read(start, position.last_event_id)
             self._apply([(e.id, e.event, e.data) for e in rows])
+        self.task_final = final
         self._notify()  # the task may have become final without a new event here
 
     async def _read(self, after: int, through: int) -> list[StoredEvent]:
