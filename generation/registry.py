@@ -19,6 +19,7 @@ CAPABILITIES = frozenset({"tools", "structured_output", "reasoning", "conversati
 SOURCES = frozenset({"gguf-package", "folder"})
 DTYPES = frozenset({"auto", "float32", "bfloat16", "float16"})
 ATTENTION_KERNELS = frozenset({"sdpa", "eager"})
+LINEAR_KERNELS = frozenset({"auto", "packed", "torch"})
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
@@ -40,6 +41,11 @@ class ModelSpec:
     dtype: str = "auto"
     device: str = "auto"
     attention: str = "sdpa"
+    # The linear layers: "auto" packs float32 weights once for oneDNN on a
+    # CPU (workers.packed_linear) and keeps torch's own layers elsewhere;
+    # "packed" insists (a worker that cannot pack fails to load it); "torch"
+    # keeps transformers' layers as they are.
+    linear: str = "auto"
     # Tokens of keys and values a worker holds for it, running requests and
     # prefix cache together (0: derived, see workers.loading); at least the
     # context window, so that any one request fits alone.
@@ -99,6 +105,7 @@ def parse_registry(text: str) -> dict[str, ModelSpec]:
             dtype=entry.get("dtype", ModelSpec.dtype),
             device=entry.get("device", ModelSpec.device),
             attention=entry.get("attention", ModelSpec.attention),
+            linear=entry.get("linear", ModelSpec.linear),
             kv_budget_tokens=int(entry.get("kv_budget_tokens", ModelSpec.kv_budget_tokens)),
             gpu_memory_fraction=float(
                 entry.get("gpu_memory_fraction", ModelSpec.gpu_memory_fraction)
@@ -126,6 +133,10 @@ def _bad_setting(spec: ModelSpec) -> str | None:
         (spec.dtype in DTYPES, f"dtype {spec.dtype!r} (one of {sorted(DTYPES)})"),
         (bool(_DEVICE.fullmatch(spec.device)), f"device {spec.device!r} (auto, cpu, cuda:N)"),
         (spec.attention in ATTENTION_KERNELS, f"attention {spec.attention!r}"),
+        (
+            spec.linear in LINEAR_KERNELS,
+            f"linear {spec.linear!r} (one of {sorted(LINEAR_KERNELS)})",
+        ),
         (
             spec.kv_budget_tokens == 0 or spec.kv_budget_tokens >= spec.context_window,
             "kv_budget_tokens below the context window (a request must fit alone)",

@@ -22,6 +22,7 @@ from generation.tokens import prompt_tokenizer
 from workers import constraints, engine
 from workers.batching import BatchingEngine, Generation, engine_for
 from workers.loading import load_model
+from workers.packed_linear import PackedLinear, can_pack
 
 PERSON = {
     "type": "object",
@@ -404,3 +405,16 @@ def test_the_eager_kernel_batches_as_the_sdpa_one(lm, requests):
     for (ids, limit, _), gen in zip(requests[:3], gens, strict=True):
         assert gen.error is None
         assert gen.token_ids == generate_alone(eager_lm, ids, limit)
+
+
+def test_packed_linear_layers_answer_as_transformers_own(lm, requests):
+    """On a CPU the worker's model computes its linear layers with weights
+    packed for oneDNN; the same weights through transformers' own layers
+    give the same greedy answers."""
+    packs = can_pack(lm.model.device, lm.model.dtype)
+    assert isinstance(lm.model.lm_head, PackedLinear) == packs
+    plain = load_model(dataclasses.replace(lm.spec, linear="torch"))
+    assert type(plain.model.lm_head) is torch.nn.Linear
+    assert not any(isinstance(module, PackedLinear) for module in plain.model.modules())
+    for ids, limit, alone in requests:
+        assert generate_alone(plain, ids, limit) == alone

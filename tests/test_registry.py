@@ -24,6 +24,7 @@ max_output_tokens = 1024
 def test_a_models_settings_default_to_what_suits_its_device():
     (spec,) = parse_registry(ENTRY).values()
     assert (spec.dtype, spec.device, spec.attention) == ("auto", "auto", "sdpa")
+    assert spec.linear == "auto"  # packed on a CPU, torch's own layers on a GPU
     assert (spec.kv_budget_tokens, spec.prefill_chunk_tokens) == (0, 0)  # from the device
     assert spec.prefix_cache and spec.max_batch == 8 and spec.gpu_memory_fraction == 0.85
 
@@ -33,6 +34,7 @@ def test_every_setting_is_read():
 dtype = "bfloat16"
 device = "cuda:1"
 attention = "eager"
+linear = "torch"
 kv_budget_tokens = 65536
 gpu_memory_fraction = 0.5
 prefill_chunk_tokens = 1024
@@ -50,6 +52,7 @@ max_batch = 32
         dtype="bfloat16",
         device="cuda:1",
         attention="eager",
+        linear="torch",
         kv_budget_tokens=65536,
         gpu_memory_fraction=0.5,
         prefill_chunk_tokens=1024,
@@ -65,6 +68,7 @@ max_batch = 32
         ('device = "tpu"', "device 'tpu'"),
         ('device = "cuda:x"', "device 'cuda:x'"),
         ('attention = "flash"', "attention 'flash'"),
+        ('linear = "int8"', "linear 'int8'"),
         ("kv_budget_tokens = 4095", "kv_budget_tokens below the context window"),
         ("gpu_memory_fraction = 1.5", "gpu_memory_fraction"),
         ("prefill_chunk_tokens = -1", "prefill_chunk_tokens"),

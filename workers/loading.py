@@ -2,8 +2,9 @@
 
 Where a model runs and how much memory its engine may hold come from its
 entry in ``models.toml`` (``generation.registry.ModelSpec``): ``device``,
-``dtype``, ``attention``, ``kv_budget_tokens`` and ``prefill_chunk_tokens``,
-each with a default that suits the device when left out.
+``dtype``, ``attention``, ``linear``, ``kv_budget_tokens`` and
+``prefill_chunk_tokens``, each with a default that suits the device when
+left out.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
     from .model_runner import attention_implementation, kv_bytes_per_token
+    from .packed_linear import can_pack, pack_linear_layers
 
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if spec.device == "auto" else spec.device
@@ -85,6 +87,11 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         weights_folder(spec), dtype=dtype, attn_implementation=attention
     ).to(device)
     model.eval()
+    packed = spec.linear == "packed" or (spec.linear == "auto" and can_pack(device, dtype))
+    if packed:
+        if not can_pack(device, dtype):
+            raise ValueError(f'{spec.id}: linear = "packed" needs float32 on a CPU with oneDNN.')
+        pack_linear_layers(model)
     chunk_tokens = spec.prefill_chunk_tokens or CHUNK_TOKENS[device.type]
     budget = spec.kv_budget_tokens
     if not budget and device.type == "cuda":
@@ -107,7 +114,9 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     elif not budget:
         budget = CPU_BUDGET_CONTEXTS * spec.context_window
     log.info(
-        "Loaded %s on %s (%s, %s attention): %d tokens of keys and values, prompts in chunks of %d",
-        spec.id, device, dtype, spec.attention, budget, chunk_tokens,
+        "Loaded %s on %s (%s, %s attention, %s linear layers): %d tokens of keys and values, "
+        "prompts in chunks of %d",
+        spec.id, device, dtype, spec.attention, "packed" if packed else "torch's", budget,
+        chunk_tokens,
     )  # fmt: skip
     return LoadedModel(spec, model, load_tokenizer(spec), budget, chunk_tokens)

@@ -1,0 +1,116 @@
+"""Greedy answers of the service's engine beside the eager transformers path.
+
+    .venv/bin/python bench/greedy_parity.py [--tokens 128]
+
+The engine runs the model as the worker loads it (``workers.loading``:
+linear layers packed for oneDNN on a CPU, per-row attention, prompts and
+decoding rows in one forward pass), 8 requests at once. The eager path is
+the same weights loaded with transformers' own layers (``linear =
+"torch"``), one request at a time through ``model.generate``
+(``workers.engine.generate``). Both greedy, ``--tokens`` tokens. For every
+prompt: equal token for token, or where the answers part, with the eager
+model's logits there: the gap between its token and the engine's, and
+between its two best tokens. A report, not a verdict: a faster kernel adds
+its products in another order, and a near tie may then tip the other way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lmsp_project.settings")
+os.environ.setdefault("LMSP_DEVELOPMENT", "1")  # a bench is a development run
+
+MODEL = "smollm2:135m"
+PROMPTS = [
+    "Write a long, detailed story about a lighthouse keeper.",  # bench_vllm's
+    "Say hello.",
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the sea.",
+    "List three fruits.",
+    "Explain gravity to a child in two sentences.",
+    "Count from one to ten in words.",
+    "Why is the sky blue?",
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=128)
+    args = parser.parse_args()
+
+    import django
+
+    django.setup()
+    import torch
+
+    from generation import prompts
+    from generation.params import GenerationParams
+    from generation.registry import get_model
+    from generation.tokens import prompt_tokenizer
+    from workers import engine
+    from workers.batching import BatchingEngine
+    from workers.loading import load_model
+
+    spec = get_model(MODEL)
+    served = load_model(spec)
+    eager = load_model(dataclasses.replace(spec, linear="torch"))
+    print(f"engine: {type(served.model.lm_head).__name__} layers; eager: "
+          f"{type(eager.model.lm_head).__name__} layers; {args.tokens} tokens, greedy")  # fmt: skip
+    tokenizer = prompt_tokenizer(spec)
+    inputs = []
+    for text in PROMPTS:
+        message = {"type": "message", "role": "user",
+                   "content": [{"type": "input_text", "text": text}]}  # fmt: skip
+        rendered = prompts.render_prompt(spec, tokenizer, [message], GenerationParams())
+        inputs.append(served.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    sampling = engine.Sampling(max_new_tokens=args.tokens, temperature=0)
+
+    alone: list[list[int]] = []
+    for ids in inputs:
+        out: list[int] = []
+        engine.generate(
+            eager, ids, sampling, lambda token_id, out=out: out.append(token_id) or False
+        )
+        alone.append(out)
+    batching = BatchingEngine(served, max_batch=8)
+    try:
+        generations = [batching.submit(ids, sampling) for ids in inputs]
+        for generation in generations:
+            generation.wait()
+    finally:
+        batching.close(timeout=60)
+
+    equal = 0
+    for text, ids, expected, generation in zip(PROMPTS, inputs, alone, generations, strict=True):
+        got = generation.token_ids
+        if got == expected:
+            equal += 1
+            print(f"equal ({len(got)} tokens): {text!r}")
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b),
+                  min(len(expected), len(got)))  # fmt: skip
+        if at == min(len(expected), len(got)):
+            print(f"lengths differ ({len(expected)} eager, {len(got)} engine): {text!r}")
+            continue
+        with torch.inference_mode():
+            logits = eager.model(torch.tensor([ids + expected[:at]])).logits[0, -1].float()
+        best, second = logits.topk(2).values.tolist()
+        gap = float(logits[expected[at]] - logits[got[at]])
+        print(
+            f"first difference at token {at} of {len(expected)}: eager {expected[at]}, engine "
+            f"{got[at]}; eager logit gap between them {gap:.3g} (its two best: "
+            f"{best - second:.3g}): {text!r}"
+        )
+    print(f"{equal} of {len(PROMPTS)} answers equal token for token")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
