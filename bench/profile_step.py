@@ -12,8 +12,11 @@ decoding steps (one token per row) three ways, each the median of
 - the model's forward pass alone over the same rows, as transformers runs a
   batch with its own cache (``DynamicCache``, left-padded rows): what eager
   transformers costs, with no engine around it;
-- the linear layers alone (every weight read once: the floor any engine
-  that reads fp32 weights on this CPU pays per step).
+- the linear layers alone, as the model has them (every weight read once:
+  the floor any engine that reads fp32 weights on this CPU pays per step).
+
+``--linear torch`` loads the model with transformers' own linear layers
+instead of the packed ones (the "before" of issue 26).
 
 Then torch's profiler over ``--steps`` runner steps: the operators by self
 CPU time, and the step split into the engine's parts (attention rows,
@@ -54,17 +57,20 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--linear", choices=["auto", "packed", "torch"], default="auto")
     args = parser.parse_args()
 
     import django
 
     django.setup()
+    import dataclasses
+
     import torch
 
     from generation.registry import get_model
     from workers.loading import load_model
 
-    model = load_model(get_model(MODEL)).model
+    model = load_model(dataclasses.replace(get_model(MODEL), linear=args.linear)).model
     print(f"{MODEL}: {model.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     for rows in args.rows:
         with torch.inference_mode():
@@ -118,7 +124,10 @@ class Steps:
         model(input_ids=ids, past_key_values=self.cache, use_cache=True)
         self.length = context
         self.step_ids = ids[:, -1:]
-        self.linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        from workers.packed_linear import PackedLinear
+
+        # As the model has them: packed for oneDNN, or torch's own (linear = "torch").
+        self.linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear | PackedLinear)]
         self.hidden = torch.randn(rows, model.config.hidden_size)
         self.inter = torch.randn(rows, model.config.intermediate_size)
 

@@ -143,14 +143,31 @@ class KVStore:
 
 @dataclass(frozen=True)
 class _Row:
-    """Where one chunk sits in a step: its slice of the packed sequence, its
-    positions, its memory and the mask its queries need."""
+    """Where one chunk sits in a step: its slice of the packed sequence, the
+    mask its queries need, and views of its request's memory over every
+    layer (made once a step, so a layer only picks its own): where its new
+    keys and values go, and all of its keys and values up to them."""
 
-    kv: KV
-    start: int  # position of its first token
     begin: int  # its slice of the packed sequence
     end: int
     mask: torch.Tensor | None
+    new_keys: torch.Tensor  # [layers, kv_heads, tokens, head_dim]
+    new_values: torch.Tensor
+    keys: torch.Tensor  # [layers, 1, kv_heads, start + tokens, head_dim]
+    values: torch.Tensor
+
+    @classmethod
+    def of(cls, kv: KV, start: int, begin: int, end: int, mask: torch.Tensor | None) -> _Row:
+        stop = start + end - begin
+        return cls(
+            begin,
+            end,
+            mask,
+            kv.keys[:, :, start:stop],
+            kv.values[:, :, start:stop],
+            kv.keys[:, None, :, :stop],
+            kv.values[:, None, :, :stop],
+        )
 
 
 def _attention(
@@ -166,25 +183,41 @@ def _attention(
 ) -> tuple[torch.Tensor, Any]:
     """The model's attention in an engine step: each row's new keys and values
     stored, then its queries attend over its own tokens. Called without rows
-    (a plain ``model(...)`` or ``generate``), it is the kernel itself."""
+    (a plain ``model(...)`` or ``generate``), it is the kernel itself.
+
+    A row that needs no mask (a decoding row, a prompt's first chunk) under
+    the ``sdpa`` kernel calls torch's attention directly, with the arguments
+    transformers' ``sdpa`` function would give it: its checks and reshapes
+    cost more than the attention of one token, and they were paid for every
+    row of every layer."""
     if lmsp_rows is None:
         return kernel(module, query, key, value, attention_mask, **kwargs)
     layer = module.layer_idx
-    outputs = []
+    direct = kernel is sdpa_attention_forward and kwargs.get("position_bias") is None
+    gqa = getattr(module, "num_key_value_groups", 1) > 1
+    outputs = []  # [1, heads, tokens, head_dim] each
     for row in lmsp_rows:
-        stop = row.start + row.end - row.begin
-        row.kv.keys[layer, :, row.start : stop] = key[0, :, row.begin : row.end]
-        row.kv.values[layer, :, row.start : stop] = value[0, :, row.begin : row.end]
-        output, _ = kernel(
-            module,
-            query[:, :, row.begin : row.end],
-            row.kv.keys[layer, :, :stop].unsqueeze(0),
-            row.kv.values[layer, :, :stop].unsqueeze(0),
-            row.mask,
-            **kwargs,
-        )
-        outputs.append(output)
-    return (torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]), None
+        row.new_keys[layer].copy_(key[0, :, row.begin : row.end])
+        row.new_values[layer].copy_(value[0, :, row.begin : row.end])
+        rows_query = query[:, :, row.begin : row.end]
+        if direct and row.mask is None:
+            outputs.append(
+                torch.nn.functional.scaled_dot_product_attention(
+                    rows_query,
+                    row.keys[layer],
+                    row.values[layer],
+                    scale=kwargs.get("scaling"),
+                    is_causal=row.end - row.begin > 1,
+                    enable_gqa=gqa,
+                )
+            )
+        else:
+            output, _ = kernel(
+                module, rows_query, row.keys[layer], row.values[layer], row.mask, **kwargs
+            )
+            outputs.append(output.transpose(1, 2))
+    joined = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
+    return joined.transpose(1, 2), None
 
 
 def _register() -> None:
@@ -267,7 +300,7 @@ class ModelRunner:
             positions += range(chunk.start, chunk.start + len(chunk.token_ids))
             stop = chunk.start + len(chunk.token_ids)
             kv = self.store.room(chunk.request.id, stop, chunk.start)
-            rows.append(_Row(kv, chunk.start, begin, len(ids), self._mask(chunk)))
+            rows.append(_Row.of(kv, chunk.start, begin, len(ids), self._mask(chunk)))
             if chunk.sample:
                 last.append(len(ids) - 1)
         device = self.device
