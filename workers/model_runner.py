@@ -14,7 +14,8 @@ tell the requests apart: the model's attention layers call ``_attention``
 (registered with transformers as ``lmsp_sdpa`` / ``lmsp_eager``), which
 writes each chunk's keys and values into its request's own memory
 (``KVStore``) and attends over that request's tokens alone, with the
-kernel transformers would use (its ``sdpa`` or ``eager`` function).
+kernel transformers would use (its ``sdpa`` or ``eager`` function; a row
+needing no mask calls torch's attention directly, as ``sdpa`` would).
 
 Each request's keys and values live in one tensor pair of its own
 (``[layers, kv_heads, capacity, head_dim]``), grown ``GROW_TOKENS`` at a
