@@ -4,7 +4,8 @@
 
 The engine runs the model as the worker loads it (``workers.loading``:
 linear layers packed for oneDNN on a CPU, per-row attention, prompts and
-decoding rows in one forward pass), 8 requests at once. The eager path is
+decoding rows in one forward pass), 9 requests submitted at once (8 rows
+at a time). The eager path is
 the same weights loaded with transformers' own layers (``linear =
 "torch"``), one request at a time through ``model.generate``
 (``workers.engine.generate``). Both greedy, ``--tokens`` tokens. For every
@@ -28,16 +29,6 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lmsp_project.settings")
 os.environ.setdefault("LMSP_DEVELOPMENT", "1")  # a bench is a development run
 
 MODEL = "smollm2:135m"
-PROMPTS = [
-    "Write a long, detailed story about a lighthouse keeper.",  # bench_vllm's
-    "Say hello.",
-    "What is the capital of France? Answer in one sentence.",
-    "Write a haiku about the sea.",
-    "List three fruits.",
-    "Explain gravity to a child in two sentences.",
-    "Count from one to ten in words.",
-    "Why is the sky blue?",
-]
 
 
 def main() -> int:
@@ -50,10 +41,9 @@ def main() -> int:
     django.setup()
     import torch
 
-    from generation import prompts
-    from generation.params import GenerationParams
+    from bench.bench_engines import QUESTIONS, prompt_ids
+    from bench.bench_vllm import PROMPT
     from generation.registry import get_model
-    from generation.tokens import prompt_tokenizer
     from workers import engine
     from workers.batching import BatchingEngine
     from workers.loading import load_model
@@ -63,13 +53,8 @@ def main() -> int:
     eager = load_model(dataclasses.replace(spec, linear="torch"))
     print(f"engine: {type(served.model.lm_head).__name__} layers; eager: "
           f"{type(eager.model.lm_head).__name__} layers; {args.tokens} tokens, greedy")  # fmt: skip
-    tokenizer = prompt_tokenizer(spec)
-    inputs = []
-    for text in PROMPTS:
-        message = {"type": "message", "role": "user",
-                   "content": [{"type": "input_text", "text": text}]}  # fmt: skip
-        rendered = prompts.render_prompt(spec, tokenizer, [message], GenerationParams())
-        inputs.append(served.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    texts = [PROMPT, *QUESTIONS]  # bench_vllm's prompt, then bench_engines' 8
+    inputs = [prompt_ids(served, text) for text in texts]
     sampling = engine.Sampling(max_new_tokens=args.tokens, temperature=0)
 
     alone: list[list[int]] = []
@@ -88,7 +73,7 @@ def main() -> int:
         batching.close(timeout=60)
 
     equal = 0
-    for text, ids, expected, generation in zip(PROMPTS, inputs, alone, generations, strict=True):
+    for text, ids, expected, generation in zip(texts, inputs, alone, generations, strict=True):
         got = generation.token_ids
         if got == expected:
             equal += 1
@@ -108,7 +93,7 @@ def main() -> int:
             f"{got[at]}; eager logit gap between them {gap:.3g} (its two best: "
             f"{best - second:.3g}): {text!r}"
         )
-    print(f"{equal} of {len(PROMPTS)} answers equal token for token")
+    print(f"{equal} of {len(texts)} answers equal token for token")
     return 0
 
 

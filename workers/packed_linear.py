@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 
-class PackedLinear(torch.nn.Module):
+class PackedLinear(torch.nn.Module):  # type: ignore[misc]  # torch is read as Any
     """``nn.Linear`` with its weight in oneDNN's packed layout (inference only)."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
@@ -42,7 +42,9 @@ class PackedLinear(torch.nn.Module):
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this build packs weights of ``dtype`` on ``device``: float32 on
     a CPU with oneDNN (other dtypes and GPUs keep torch's own layers)."""
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return bool(
+        device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    )
 
 
 def pack_linear_layers(model: torch.nn.Module) -> int:
