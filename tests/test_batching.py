@@ -418,3 +418,6 @@ def test_packed_linear_layers_answer_as_transformers_own(lm, requests):
     assert not any(isinstance(module, PackedLinear) for module in plain.model.modules())
     for ids, limit, alone in requests:
         assert generate_alone(plain, ids, limit) == alone
+    # Insisting where it cannot pack is refused before any weight is read.
+    with pytest.raises(ValueError, match='linear = "packed" needs float32 on a CPU'):
+        load_model(dataclasses.replace(lm.spec, linear="packed", dtype="bfloat16"))

@@ -83,14 +83,15 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     else:
         dtype = getattr(torch, spec.dtype)
     attention = attention_implementation(spec.attention)
+    packable = can_pack(device, dtype)
+    if spec.linear == "packed" and not packable:  # refused before the weights are read
+        raise ValueError(f'{spec.id}: linear = "packed" needs float32 on a CPU with oneDNN.')
+    packed = spec.linear == "packed" or (spec.linear == "auto" and packable)
     model = AutoModelForCausalLM.from_pretrained(
         weights_folder(spec), dtype=dtype, attn_implementation=attention
     ).to(device)
     model.eval()
-    packed = spec.linear == "packed" or (spec.linear == "auto" and can_pack(device, dtype))
     if packed:
-        if not can_pack(device, dtype):
-            raise ValueError(f'{spec.id}: linear = "packed" needs float32 on a CPU with oneDNN.')
         pack_linear_layers(model)
     chunk_tokens = spec.prefill_chunk_tokens or CHUNK_TOKENS[device.type]
     budget = spec.kv_budget_tokens
