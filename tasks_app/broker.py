@@ -7,9 +7,19 @@ backlog, fill the queues with duplicates that each cost a worker a claim.
 
 With Celery's Redis transport (kombu) a queue is a Redis list named after
 it (plus one list per priority step), and a message a worker has taken but
-not acknowledged yet (``acks_late``) waits in the ``unacked`` hash. Each
-message is a JSON envelope whose base64 ``body`` holds the job's
-``[args, kwargs, embed]``; our jobs' first argument is the task id.
+not acknowledged yet (``acks_late``) waits in the ``unacked`` hash, with the
+time it was taken in the ``unacked_index`` sorted set. Each message is a
+JSON envelope whose base64 ``body`` holds the job's ``[args, kwargs,
+embed]``; our jobs' first argument is the task id.
+
+A taken message counts only while it is fresh. A live worker claims the
+moment it takes a message (a job is a slot for its model, and a worker takes
+no more messages than it has threads), so a task still queued long after
+the message naming it was taken lost that message: its worker was killed
+before the claim (the message then waits in ``unacked`` until the
+visibility timeout, hours away), or the message was the slot through which
+another task was claimed and no other is left for this one. Either way a
+re-sent job is safe: a claim with nothing queued claims nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ log = logging.getLogger(__name__)
 PRIORITY_STEPS = (0, 3, 6, 9)
 PRIORITY_SEP = "\x06\x16"
 UNACKED = "unacked"
+UNACKED_INDEX = "unacked_index"
 
 
 @functools.cache
@@ -57,10 +68,11 @@ def queue_lists(queue: str) -> list[str]:
     return [queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}" for step in PRIORITY_STEPS]
 
 
-def task_ids_in_broker(queues: Iterable[str]) -> set[str] | None:
-    """The task ids with a message waiting in these queues or taken but not
-    acknowledged; None when the broker cannot be read (then nothing is known
-    to be lost, and a re-send would fail anyway)."""
+def task_ids_in_broker(queues: Iterable[str], taken_since: float) -> set[str] | None:
+    """The task ids with a message waiting in these queues or taken (not yet
+    acknowledged) at ``taken_since`` (a Unix time) or later; None when the
+    broker cannot be read (then nothing is known to be lost, and a re-send
+    would fail anyway)."""
     url = celery_app.conf.broker_url
     if not url or not str(url).startswith(("redis://", "rediss://", "unix://")):
         return None  # only the Redis transport is read (the only one this service runs)
@@ -70,15 +82,15 @@ def task_ids_in_broker(queues: Iterable[str]) -> set[str] | None:
         for queue in sorted(set(queues)):
             for name in queue_lists(queue):
                 pipe.lrange(name, 0, -1)
-        pipe.hvals(UNACKED)
-        replies = pipe.execute()
+        pipe.zrangebyscore(UNACKED_INDEX, taken_since, "+inf")
+        *waiting, fresh_tags = pipe.execute()
+        fresh = client.hmget(UNACKED, fresh_tags) if fresh_tags else []
     except redis.RedisError as exc:
         log.warning("Could not read the broker's queues: %s", exc)
         return None
     found: set[str] = set()
-    for reply in replies:
-        for raw in reply:
-            task_id = _task_id(raw)
-            if task_id is not None:
-                found.add(task_id)
+    for raw in [*(raw for reply in waiting for raw in reply), *fresh]:
+        task_id = _task_id(raw) if raw is not None else None  # acknowledged meanwhile: None
+        if task_id is not None:
+            found.add(task_id)
     return found

@@ -574,7 +574,7 @@ def sweep() -> SweepReport:
     if not waiting:
         return report
     queues = {spec.queue for spec in declared_models().values()}
-    in_broker = broker.task_ids_in_broker(queues)
+    in_broker = broker.task_ids_in_broker(queues, taken_since=stale.timestamp())
     declared = declared_models()
     if in_broker is None:  # the broker cannot be read: nothing is known lost, nor sendable
         waiting = [(task_id, model) for task_id, model in waiting if model not in declared]

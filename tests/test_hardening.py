@@ -72,6 +72,45 @@ def test_the_sweeper_resends_only_messages_gone_from_the_broker(broker):
     assert lifecycle.sweep().resent == []  # not again before it is stale once more
 
 
+# A worker as kombu runs one: it takes a message without acknowledging it
+# (``acks_late``) and is killed before its claim.
+TAKE_A_MESSAGE = """
+import sys, time
+from kombu import Connection
+with Connection(sys.argv[1], transport="lmsp_core.redis_transport:Transport") as broker:
+    message = broker.default_channel.basic_get(sys.argv[2])
+    print(message.delivery_tag, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_message_taken_by_a_worker_killed_before_its_claim_is_sent_again(broker, settings):
+    client, queue = broker
+    settings.LMSP_REQUEUE_AFTER_SECONDS = 2
+    task = new_task()
+    taker = subprocess.Popen(
+        [sys.executable, "-c", TAKE_A_MESSAGE, settings.CELERY_BROKER_URL, queue],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    tag = taker.stdout.readline().strip()
+    taker.kill()  # SIGKILL: kombu restores nothing; the message waits in "unacked" for hours
+    taker.wait()
+    try:
+        assert client.llen(queue) == 0 and client.hexists("unacked", tag)
+        age(task)
+        assert lifecycle.sweep().resent == []  # just taken: a live worker would be claiming it
+        time.sleep(2.5)
+        age(task)
+        assert lifecycle.sweep().resent == [task.id]
+        assert client.llen(queue) == 1
+        assert run_task(task.id, "w1") in ("completed", "incomplete")
+    finally:
+        client.hdel("unacked", tag)
+        client.zrem("unacked_index", tag)
+
+
 def test_a_removed_model_fails_its_tasks_and_the_sweep_goes_on(broker):
     client, queue = broker
     first, other, second = new_task(), new_task(), new_task()
