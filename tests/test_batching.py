@@ -340,7 +340,13 @@ def test_prompts_computed_in_chunks_beside_decoding_rows_answer_as_alone(lm, req
         chunked.close(timeout=60)
     for (ids, _, alone), gen in zip(requests, first + later, strict=True):
         assert_same(lm, ids, alone, gen)
-    assert chunked.stats().counts.prompt_tokens_computed == sum(len(r[0]) for r in requests)
+    # Every prompt token once: computed in a chunk, or (the later ones' system
+    # prompt) copied from what a running request had computed.
+    counts = chunked.stats().counts
+    reused = sum(gen.cached_tokens for gen in later)
+    assert all(gen.cached_tokens == 0 for gen in first) and reused > 0
+    assert counts.prefix_tokens_reused == reused
+    assert counts.prompt_tokens_computed + reused == sum(len(r[0]) for r in requests)
 
 
 def test_a_follow_up_reuses_its_conversation_and_answers_as_computed_whole(lm, requests):
@@ -365,6 +371,34 @@ def test_a_follow_up_reuses_its_conversation_and_answers_as_computed_whole(lm, r
     assert follow_up.token_ids == whole.token_ids == generate_alone(lm, follow_up_ids, 24)
     counts = cached.stats().counts
     assert counts.prefix_hits == 1 and counts.prefix_tokens_reused == follow_up.cached_tokens
+
+
+def test_requests_sharing_what_a_running_one_computed_answer_as_alone(lm, requests):
+    """A generation handed over mid-way (its tokens so far resumed) and
+    another question with the same system prompt arrive while the first
+    runs: they copy what it has computed, and each answer is still its own
+    alone."""
+    ids, limit, alone = requests[5]
+    other_ids, other_limit, other_alone = requests[6]
+    sharing = BatchingEngine(lm, max_batch=8)
+    try:
+        first = sharing.submit(ids, greedy(limit))
+        wait_for_tokens(first, 12)
+        cut = 10
+        resumed = sharing.submit(ids, greedy(limit - cut), generated_ids=alone[:cut])
+        other = sharing.submit(other_ids, greedy(other_limit))
+        for gen in (first, resumed, other):
+            assert gen.wait(300)
+    finally:
+        sharing.close(timeout=60)
+    assert_same(lm, ids, alone, first)
+    assert resumed.error is None and resumed.token_ids == alone[cut:]
+    assert_same(lm, other_ids, other_alone, other)
+    common = next(i for i, (a, b) in enumerate(zip(ids, other_ids, strict=False)) if a != b)
+    assert resumed.cached_tokens == len(ids) + cut - 1  # all it fed but its last
+    assert other.cached_tokens == common  # the system prompt and the turn's start
+    counts = sharing.stats().counts
+    assert counts.prompt_tokens_computed == len(ids) + 1 + len(other_ids) - common
 
 
 def test_a_request_without_room_is_preempted_and_its_resume_continues_exactly(lm, requests):

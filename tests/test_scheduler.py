@@ -16,6 +16,7 @@ from workers.scheduler import (
     Request,
     RequestStatus,
     Scheduler,
+    Share,
     StepPlan,
 )
 
@@ -340,6 +341,65 @@ def test_a_prompt_always_computes_its_last_token():
     scheduler.add(same)
     plan = step(scheduler)
     assert fed(plan) == {same.id: 1} and same.cached_tokens == 31
+
+
+def test_a_request_arriving_while_another_with_its_start_runs_copies_what_that_one_computed():
+    scheduler = Scheduler(max_batch=8, token_budget=1000, chunk_tokens=1000)
+    first = request(40, max_new=10)
+    scheduler.add(first)
+    step(scheduler)
+    step(scheduler)
+    assert first.num_computed == 41  # its prompt and its first token
+    resumed = request([*first.token_ids()[:41], 7, 7])  # as far as first, then on
+    other = request([*first.prompt_ids[:20], 1, 2, 3])  # the same system prompt, then another
+    scheduler.add(resumed)
+    scheduler.add(other)
+    plan = step(scheduler)
+    assert plan.memory_ops == [
+        Share(resumed.id, first.id, 41, 43),
+        Share(other.id, first.id, 20, 23),
+    ]
+    assert fed(plan) == {first.id: 1, resumed.id: 2, other.id: 3}
+    assert (resumed.cached_tokens, other.cached_tokens) == (41, 20)
+    assert scheduler.stats.prefix_hits == 2 and scheduler.stats.prefix_tokens_reused == 61
+    assert scheduler.stats.prompt_tokens_computed == 40 + 2 + 3
+
+
+def test_requests_admitted_together_each_compute_their_start():
+    """Nothing is computed yet to share: neither waits for the other."""
+    scheduler = Scheduler(max_batch=8, token_budget=1000, chunk_tokens=1000)
+    first, same = request(40), request(40)
+    scheduler.add(first)
+    scheduler.add(same)
+    plan = step(scheduler)
+    assert plan.memory_ops == [] and fed(plan) == {first.id: 40, same.id: 40}
+
+
+def test_a_running_request_is_shared_only_where_it_computed_more_than_an_entry_holds():
+    scheduler = Scheduler(max_batch=8, token_budget=1000, chunk_tokens=1000)
+    done = request(40, max_new=1)
+    scheduler.add(done)
+    step(scheduler)  # ends at its limit: its 40 tokens become an entry
+    running = request([*done.prompt_ids[:30], 5, 5, 5], max_new=10)
+    scheduler.add(running)
+    plan = step(scheduler)
+    (release, adopt) = plan.memory_ops
+    assert isinstance(release, Release) and adopt == Adopt(running.id, release.entry_id, 30, 33)
+    longer = request([*done.prompt_ids, 9])
+    scheduler.add(longer)
+    plan = step(scheduler)
+    assert plan.memory_ops == [Adopt(longer.id, release.entry_id, 40, 41)]  # the entry holds more
+
+
+def test_without_a_cache_nothing_running_is_shared():
+    scheduler = Scheduler(max_batch=8, token_budget=1000, chunk_tokens=1000, prefix_cache=False)
+    first = request(40)
+    scheduler.add(first)
+    step(scheduler)
+    same = request(list(first.prompt_ids))
+    scheduler.add(same)
+    plan = step(scheduler)
+    assert plan.memory_ops == [] and fed(plan) == {first.id: 1, same.id: 40}
 
 
 def test_cache_entries_are_evicted_least_recently_used_first_to_admit_a_request():

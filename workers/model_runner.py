@@ -21,7 +21,8 @@ Each request's keys and values live in one tensor pair of its own
 (``[layers, kv_heads, capacity, head_dim]``), grown ``GROW_TOKENS`` at a
 time: a row's attention reads a slice of it, never a gathered copy. A
 finished request's memory becomes a prefix-cache entry as it is (no copy);
-a request that starts with a cached prefix gets a copy of that prefix.
+a request that starts with a cached prefix, or with what a running request
+has computed, gets a copy of that prefix.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from .scheduler import Adopt, Chunk, Evict, MemoryOp, Release, Request, StepPlan
+from .scheduler import Adopt, Chunk, MemoryOp, Release, Request, Share, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -124,12 +125,14 @@ class KVStore:
         self.requests[request_id] = grown
         return grown
 
-    def apply(self, op: Adopt | Release | Evict) -> None:
-        if isinstance(op, Adopt):
-            entry = self.entries[op.entry_id]
+    def apply(self, op: MemoryOp) -> None:
+        if isinstance(op, Adopt | Share):
+            source = (
+                self.entries[op.entry_id] if isinstance(op, Adopt) else self.requests[op.source_id]
+            )
             kv = self.requests[op.request_id] = self._new(op.room)
-            kv.keys[:, :, : op.tokens] = entry.keys[:, :, : op.tokens]
-            kv.values[:, :, : op.tokens] = entry.values[:, :, : op.tokens]
+            kv.keys[:, :, : op.tokens] = source.keys[:, :, : op.tokens]
+            kv.values[:, :, : op.tokens] = source.values[:, :, : op.tokens]
         elif isinstance(op, Release):
             released = self.requests.pop(op.request_id, None)
             if op.entry_id is not None and released is not None:
@@ -277,8 +280,8 @@ class ModelRunner:
         self._bitmask = xgr.allocate_token_bitmask(max_batch, self.vocab_size)
 
     def apply(self, memory_ops: list[MemoryOp]) -> None:
-        """Move memory as the scheduler decided: adopt cached prefixes, keep or
-        free what ended requests held, evict cache entries."""
+        """Move memory as the scheduler decided: copy cached or running
+        prefixes, keep or free what ended requests held, evict cache entries."""
         for op in memory_ops:
             self.store.apply(op)
 

@@ -33,7 +33,12 @@ on the 2-core CPU).
 What a finished request computed stays in the prefix cache
 (``PrefixCache``): a later prompt that starts with the same tokens (the
 next turn of a conversation, a shared system prompt, a resumed attempt)
-copies those keys and values and computes only the rest.
+copies those keys and values and computes only the rest. What a running
+request has computed so far is shared the same way (``Share``): requests
+that arrive while one with the same start runs (a system prompt many users
+send at once; the generations a stopping worker hands to its successor, all
+resumed at once) copy it instead of each computing it again, as vLLM's
+prefix caching shares the blocks of running requests.
 """
 
 from __future__ import annotations
@@ -123,6 +128,18 @@ class Adopt:
 
 
 @dataclass(frozen=True)
+class Share:
+    """Copy the first ``tokens`` that running request ``source_id`` has
+    computed into the memory of request ``request_id`` (made with room for
+    ``room`` tokens), before it computes the rest of its prompt."""
+
+    request_id: int
+    source_id: int
+    tokens: int
+    room: int
+
+
+@dataclass(frozen=True)
 class Release:
     """Request ``request_id`` holds no memory any more; the keys and values of
     its first ``tokens`` tokens become cache entry ``entry_id`` (None: dropped)."""
@@ -139,7 +156,7 @@ class Evict:
     entry_id: int
 
 
-MemoryOp = Adopt | Release | Evict
+MemoryOp = Adopt | Share | Release | Evict
 
 
 @dataclass(frozen=True)
@@ -462,6 +479,11 @@ class Scheduler:
                 ended.append(request)
                 continue
             hit = self.cache.lookup(request.prompt_ids, need - 1) if self.cache else None
+            shared = self._computed_by_running(request.prompt_ids, need - 1)
+            if shared is not None and (hit is None or shared[1] > hit[1]):
+                hit = None  # a running request has computed more of it than any entry holds
+            else:
+                shared = None
             if hit is not None and not self._room_for(need, keep=hit[0]):
                 hit = None  # the entry it would copy takes the room it needs: computed whole
             if hit is None and not self._room_for(need):
@@ -469,15 +491,36 @@ class Scheduler:
             self.waiting.pop(0)
             request.status = RequestStatus.PREFILLING
             self.running.append(request)
+            tokens = 0
             if hit is not None:
                 entry_id, tokens = hit
                 assert self.cache is not None
                 self.cache.touch(entry_id)
                 self._memory_ops.append(Adopt(request.id, entry_id, tokens, need))
+            elif shared is not None:
+                source, tokens = shared
+                self._memory_ops.append(Share(request.id, source.id, tokens, need))
+            if tokens:
                 request.num_computed = request.cached_tokens = tokens
                 self.stats.prefix_hits += 1
                 self.stats.prefix_tokens_reused += tokens
         return ended
+
+    def _computed_by_running(
+        self, token_ids: Sequence[int], limit: int
+    ) -> tuple[Request, int] | None:
+        """The running request that has computed the longest prefix (at least
+        a cache block, at most ``limit`` tokens) of ``token_ids``, and its
+        length; only with the prefix cache (it is the same reuse)."""
+        if self.cache is None:
+            return None
+        best: tuple[Request, int] | None = None
+        for running in self.running:
+            computed = running.token_ids()[: min(running.num_computed, limit)]
+            length = _common_prefix(computed, token_ids)
+            if length >= PrefixCache.BLOCK and (best is None or length > best[1]):
+                best = (running, length)
+        return best
 
     def _room_for(self, need: int, keep: int | None = None) -> bool:
         """Whether ``need`` more tokens fit, evicting cache entries (all but
@@ -522,3 +565,11 @@ class Scheduler:
         request.status = status
         request.error = error
         self._arrival.pop(request.id, None)
+
+
+def _common_prefix(first: Sequence[int], second: Sequence[int]) -> int:
+    """How many tokens ``first`` and ``second`` start with in common."""
+    for index, (a, b) in enumerate(zip(first, second, strict=False)):
+        if a != b:
+            return index
+    return min(len(first), len(second))
