@@ -401,6 +401,21 @@ def test_requests_sharing_what_a_running_one_computed_answer_as_alone(lm, reques
     assert counts.prompt_tokens_computed == len(ids) + 1 + len(other_ids) - common
 
 
+def test_an_engine_sharing_its_cores_steps_on_half_its_threads(lm, requests):
+    ids, _, alone = requests[0]
+    sharing = BatchingEngine(lm, max_batch=2)
+    threads: list[int] = []
+    try:
+        sharing.share_cores()
+        gen = sharing.submit(
+            ids, greedy(4), on_token=lambda _: threads.append(torch.get_num_threads()) or False
+        )
+        assert gen.wait(120) and gen.token_ids == alone[:4]
+    finally:
+        sharing.close(timeout=60)
+    assert threads == [max(1, torch.get_num_threads() // 2)] * 4
+
+
 def test_a_request_without_room_is_preempted_and_its_resume_continues_exactly(lm, requests):
     """Two requests whose prompts fit together but whose answers do not: the
     one admitted last leaves as ``preempted`` when memory runs out, and

@@ -112,10 +112,10 @@ def drain(**_: object) -> None:
     model it serves, or after ``LMSP_DRAIN_WAIT_SECONDS``, its engines preempt
     every generation: each job writes its checkpoint and hands its task back
     to the queue, first in the fair order, for another worker to continue
-    (``lifecycle.hand_back``). Until then its generations go on, so that a
-    rolling deploy's new worker, started at the same moment, takes them over
-    with no wait longer than its own start. The ops worker serves no model:
-    nothing to do."""
+    (``lifecycle.hand_back``). Until then its generations go on, on half its
+    threads (``BatchingEngine.share_cores``), so that a rolling deploy's new
+    worker, started at the same moment, takes them over with no wait longer
+    than its own start. The ops worker serves no model: nothing to do."""
     if _heartbeat is None:
         return
     threading.Thread(target=_hand_over, args=(_heartbeat,), name="lmsp-drain", daemon=True).start()
@@ -125,6 +125,8 @@ def _hand_over(beating: heartbeat.Heartbeat) -> None:
     from .batching import drain_all, engines
 
     beating.stop()
+    for engine in engines():
+        engine.share_cores()
     deadline = time.monotonic() + settings.LMSP_DRAIN_WAIT_SECONDS
     while time.monotonic() < deadline:
         if not any(engine.running or engine.waiting for engine in engines()):
