@@ -256,10 +256,8 @@ class PrefixCache:
             entry = self._entries[entry_id]
             if entry.token_ids[:start] != list(token_ids[:start]):
                 continue  # a hash collision
-            end = min(len(entry.token_ids), limit, len(token_ids))
-            length = start
-            while length < end and entry.token_ids[length] == token_ids[length]:
-                length += 1
+            end = min(limit, len(token_ids))
+            length = start + _common_prefix(entry.token_ids[start:end], token_ids[start:end])
             if best is None or length > best[1]:
                 best = (entry_id, length)
         return best
