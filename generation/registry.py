@@ -46,6 +46,10 @@ class ModelSpec:
     # "packed" insists (a worker that cannot pack fails to load it); "torch"
     # keeps transformers' layers as they are.
     linear: str = "auto"
+    # OpenMP threads of its engine on a CPU (0: every core but one, left to
+    # the web, the database and the worker's own threads, as vLLM's CPU
+    # backend leaves one to its server; workers.loading).
+    cpu_threads: int = 0
     # Tokens of keys and values a worker holds for it, running requests and
     # prefix cache together (0: derived, see workers.loading); at least the
     # context window, so that any one request fits alone.
@@ -106,6 +110,7 @@ def parse_registry(text: str) -> dict[str, ModelSpec]:
             device=entry.get("device", ModelSpec.device),
             attention=entry.get("attention", ModelSpec.attention),
             linear=entry.get("linear", ModelSpec.linear),
+            cpu_threads=int(entry.get("cpu_threads", ModelSpec.cpu_threads)),
             kv_budget_tokens=int(entry.get("kv_budget_tokens", ModelSpec.kv_budget_tokens)),
             gpu_memory_fraction=float(
                 entry.get("gpu_memory_fraction", ModelSpec.gpu_memory_fraction)
@@ -137,6 +142,7 @@ def _bad_setting(spec: ModelSpec) -> str | None:
             spec.linear in LINEAR_KERNELS,
             f"linear {spec.linear!r} (one of {sorted(LINEAR_KERNELS)})",
         ),
+        (spec.cpu_threads >= 0, "cpu_threads below 0"),
         (
             spec.kv_budget_tokens == 0 or spec.kv_budget_tokens >= spec.context_window,
             "kv_budget_tokens below the context window (a request must fit alone)",

@@ -21,7 +21,7 @@ from generation.registry import get_model
 from generation.tokens import prompt_tokenizer
 from workers import constraints, engine
 from workers.batching import BatchingEngine, Generation, engine_for
-from workers.loading import load_model
+from workers.loading import engine_threads, load_model
 from workers.packed_linear import PackedLinear, can_pack
 
 PERSON = {
@@ -399,6 +399,25 @@ def test_requests_sharing_what_a_running_one_computed_answer_as_alone(lm, reques
     assert other.cached_tokens == common  # the system prompt and the turn's start
     counts = sharing.stats().counts
     assert counts.prompt_tokens_computed == len(ids) + 1 + len(other_ids) - common
+
+
+def test_an_engine_on_a_cpu_steps_on_every_core_but_one(lm, requests):
+    ids, _, alone = requests[0]
+    available = torch.get_num_threads()
+    assert lm.threads == max(1, available - 1)
+    assert engine_threads(dataclasses.replace(lm.spec, cpu_threads=3), "cpu", available) == 3
+    assert engine_threads(lm.spec, "cuda", available) == 0
+    threads: list[int] = []
+    counting = BatchingEngine(lm, max_batch=2)
+    try:
+        gen = counting.submit(
+            ids, greedy(3), on_token=lambda _: threads.append(torch.get_num_threads()) or False
+        )
+        assert gen.wait(120) and gen.token_ids == alone[:3]
+    finally:
+        counting.close(timeout=60)
+    assert threads == [lm.threads] * 3
+    assert torch.get_num_threads() == available  # the caller's own count is left as it was
 
 
 def test_an_engine_sharing_its_cores_steps_on_half_its_threads(lm, requests):

@@ -25,6 +25,7 @@ def test_a_models_settings_default_to_what_suits_its_device():
     (spec,) = parse_registry(ENTRY).values()
     assert (spec.dtype, spec.device, spec.attention) == ("auto", "auto", "sdpa")
     assert spec.linear == "auto"  # packed on a CPU, torch's own layers on a GPU
+    assert spec.cpu_threads == 0  # every core but one
     assert (spec.kv_budget_tokens, spec.prefill_chunk_tokens) == (0, 0)  # from the device
     assert spec.prefix_cache and spec.max_batch == 8 and spec.gpu_memory_fraction == 0.85
 
@@ -35,6 +36,7 @@ dtype = "bfloat16"
 device = "cuda:1"
 attention = "eager"
 linear = "torch"
+cpu_threads = 6
 kv_budget_tokens = 65536
 gpu_memory_fraction = 0.5
 prefill_chunk_tokens = 1024
@@ -53,6 +55,7 @@ max_batch = 32
         device="cuda:1",
         attention="eager",
         linear="torch",
+        cpu_threads=6,
         kv_budget_tokens=65536,
         gpu_memory_fraction=0.5,
         prefill_chunk_tokens=1024,
@@ -71,6 +74,7 @@ max_batch = 32
         ('linear = "int8"', "linear 'int8'"),
         ("kv_budget_tokens = 4095", "kv_budget_tokens below the context window"),
         ("gpu_memory_fraction = 1.5", "gpu_memory_fraction"),
+        ("cpu_threads = -1", "cpu_threads below 0"),
         ("prefill_chunk_tokens = -1", "prefill_chunk_tokens"),
         ("max_batch = 0", "max_batch"),
         ('capabilities = ["telepathy"]', "capabilities ['telepathy']"),

@@ -205,6 +205,9 @@ class BatchingEngine:
         self._draining = False
         self._sharing_cores = False  # asked for (share_cores)
         self._cores_shared = False  # done, on the engine thread
+        # The process's thread count, read here because the engine thread
+        # changes its own (lm.threads, share_cores).
+        self._process_threads = torch.get_num_threads()
         self._thread = threading.Thread(
             target=self._loop, name=name or f"batching-{spec.id}", daemon=True
         )
@@ -296,12 +299,13 @@ class BatchingEngine:
             self._wakeup.notify()
 
     def share_cores(self) -> None:
-        """Run the next steps on half the threads (at least one): a worker told
-        to stop keeps generating while its successor starts, often on the same
-        machine, and every stream it hands over waits for that start (imports,
-        weights), which its steps on every core slowed by half (9.2 s instead
-        of 13.0 beside a one-thread rather than a two-thread load, on the
-        2-core CPU). Thread counts are per thread: the engine's own sets it."""
+        """Run the next steps on at most half the machine's threads (at least
+        one): a worker told to stop keeps generating while its successor
+        starts, often on the same machine, and every stream it hands over
+        waits for that start (imports, weights), which steps on every core
+        slowed by half (9.2 s instead of 13.0 beside a one-thread rather than
+        a two-thread load, on the 2-core CPU). Thread counts are per thread:
+        the engine's own sets it."""
         with self._wakeup:
             self._sharing_cores = True
             self._wakeup.notify()
@@ -318,6 +322,8 @@ class BatchingEngine:
 
     def _loop(self) -> None:
         scheduler = self.scheduler
+        if self.lm.threads:  # thread counts are per thread: the engine's own
+            torch.set_num_threads(self.lm.threads)
         with torch.inference_mode():
             while True:
                 with self._wakeup:
@@ -330,7 +336,8 @@ class BatchingEngine:
                 for request in arrived:
                     scheduler.add(request)
                 if self._sharing_cores and not self._cores_shared:
-                    torch.set_num_threads(max(1, torch.get_num_threads() // 2))
+                    half = max(1, self._process_threads // 2)
+                    torch.set_num_threads(min(torch.get_num_threads(), half))
                     self._cores_shared = True
                 self._abort_cancelled()
                 if self._draining:

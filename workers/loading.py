@@ -2,8 +2,8 @@
 
 Where a model runs and how much memory its engine may hold come from its
 entry in ``models.toml`` (``generation.registry.ModelSpec``): ``device``,
-``dtype``, ``attention``, ``linear``, ``kv_budget_tokens`` and
-``prefill_chunk_tokens``, each with a default that suits the device when
+``dtype``, ``attention``, ``linear``, ``cpu_threads``, ``kv_budget_tokens``
+and ``prefill_chunk_tokens``, each with a default that suits the device when
 left out.
 """
 
@@ -38,6 +38,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     token_budget: int = 0  # tokens of keys and values its engine may hold
     chunk_tokens: int = 0  # prompt tokens its engine computes per step
+    threads: int = 0  # OpenMP threads of its engine's steps (0: torch's own count)
 
     @functools.cached_property
     def eos_token_ids(self) -> set[int]:
@@ -65,6 +66,19 @@ def derived_budget(spec: ModelSpec, config: PretrainedConfig, token_bytes: int, 
     activations = chunk_tokens * (config.intermediate_size + 4 * config.hidden_size) * dtype_bytes
     logits = spec.max_batch * config.vocab_size * 4 * 2
     return max(int((usable - 4 * activations - logits) // token_bytes), 0)
+
+
+def engine_threads(spec: ModelSpec, device_type: str, available: int) -> int:
+    """OpenMP threads for the engine's steps on a CPU, where ``available`` is
+    torch's count (its cores, or ``OMP_NUM_THREADS``): every core but one
+    unless ``cpu_threads`` says otherwise. On 2 cores the service's web,
+    database and job threads took the second core from a two-thread step,
+    whose parallel regions then waited for it: one thread served 27.6 tokens/s
+    at one stream against 20.1, and 126.4 against 90.4 at eight
+    (bench/README.md). 0 on a GPU, whose threads only launch kernels."""
+    if device_type != "cpu":
+        return 0
+    return spec.cpu_threads or max(1, available - 1)
 
 
 @functools.cache
@@ -114,10 +128,11 @@ def load_model(spec: ModelSpec) -> LoadedModel:
             )  # fmt: skip
     elif not budget:
         budget = CPU_BUDGET_CONTEXTS * spec.context_window
+    threads = engine_threads(spec, device.type, torch.get_num_threads())
     log.info(
-        "Loaded %s on %s (%s, %s attention, %s linear layers): %d tokens of keys and values, "
-        "prompts in chunks of %d",
-        spec.id, device, dtype, spec.attention, "packed" if packed else "torch's", budget,
-        chunk_tokens,
+        "Loaded %s on %s (%s, %s attention, %s linear layers, %s): %d tokens of keys and "
+        "values, prompts in chunks of %d",
+        spec.id, device, dtype, spec.attention, "packed" if packed else "torch's",
+        f"{threads} engine threads" if threads else "torch's threads", budget, chunk_tokens,
     )  # fmt: skip
-    return LoadedModel(spec, model, load_tokenizer(spec), budget, chunk_tokens)
+    return LoadedModel(spec, model, load_tokenizer(spec), budget, chunk_tokens, threads)
