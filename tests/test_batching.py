@@ -22,7 +22,7 @@ from generation.tokens import prompt_tokenizer
 from workers import constraints, engine
 from workers.batching import BatchingEngine, Generation, engine_for
 from workers.loading import engine_threads, load_model
-from workers.packed_linear import PackedLinear, can_pack
+from workers.packed_linear import TORCH_STEP_TOKENS, PackedLinear, can_pack
 
 PERSON = {
     "type": "object",
@@ -489,3 +489,28 @@ def test_packed_linear_layers_answer_as_transformers_own(lm, requests):
     # Insisting where it cannot pack is refused before any weight is read.
     with pytest.raises(ValueError, match='linear = "packed" needs float32 on a CPU'):
         load_model(dataclasses.replace(lm.spec, linear="packed", dtype="bfloat16"))
+
+
+def test_steps_of_one_or_two_tokens_go_through_torchs_product_where_weights_are_kept(lm, requests):
+    """A packed layer that keeps its weight as stored (``linear = "auto"``)
+    computes a step of up to ``TORCH_STEP_TOKENS`` tokens with torch's own
+    product and a larger one with the packed product; ``linear = "packed"``
+    holds the weights once, packed, and gives the same greedy answers."""
+    linear = torch.nn.Linear(64, 32)
+    kept, once = PackedLinear(linear, keep_weight=True), PackedLinear(linear, keep_weight=False)
+    assert kept.weight is linear.weight and once.weight is None
+    with torch.inference_mode():
+        for tokens in range(1, TORCH_STEP_TOKENS + 2):
+            x = torch.randn(1, tokens, 64)
+            packed = torch.ops.mkldnn._linear_pointwise(x, once.packed, linear.bias, "none", [], "")
+            assert torch.equal(once(x), packed)
+            plain = torch.nn.functional.linear(x, linear.weight, linear.bias)
+            assert torch.equal(kept(x), plain if tokens <= TORCH_STEP_TOKENS else packed)
+    if not can_pack(lm.model.device, lm.model.dtype):
+        return  # elsewhere torch's own layers are kept as they are (the test above)
+    assert lm.model.lm_head.weight is not None  # the worker's default, "auto"
+    packed_only = load_model(dataclasses.replace(lm.spec, linear="packed"))
+    layers = [m for m in packed_only.model.modules() if isinstance(m, PackedLinear)]
+    assert layers and all(layer.weight is None for layer in layers)
+    for ids, limit, alone in requests:
+        assert generate_alone(packed_only, ids, limit) == alone

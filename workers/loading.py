@@ -81,6 +81,13 @@ def engine_threads(spec: ModelSpec, device_type: str, available: int) -> int:
     return spec.cpu_threads or max(1, available - 1)
 
 
+def linear_layers(spec: ModelSpec, packed: bool) -> str:
+    """How the load log names the model's linear layers."""
+    if not packed:
+        return "torch's"
+    return "packed and plain" if spec.linear == "auto" else "packed"
+
+
 @functools.cache
 def load_model(spec: ModelSpec) -> LoadedModel:
     import torch
@@ -106,7 +113,9 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     ).to(device)
     model.eval()
     if packed:
-        pack_linear_layers(model)
+        # "auto" keeps the weights as stored too, for the steps of one or two
+        # tokens that torch's own product computes faster; "packed" holds them once.
+        pack_linear_layers(model, keep_weights=spec.linear == "auto")
     chunk_tokens = spec.prefill_chunk_tokens or CHUNK_TOKENS[device.type]
     budget = spec.kv_budget_tokens
     if not budget and device.type == "cuda":
@@ -132,7 +141,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     log.info(
         "Loaded %s on %s (%s, %s attention, %s linear layers, %s): %d tokens of keys and "
         "values, prompts in chunks of %d",
-        spec.id, device, dtype, spec.attention, "packed" if packed else "torch's",
+        spec.id, device, dtype, spec.attention, linear_layers(spec, packed),
         f"{threads} engine threads" if threads else "torch's threads", budget, chunk_tokens,
     )  # fmt: skip
     return LoadedModel(spec, model, load_tokenizer(spec), budget, chunk_tokens, threads)
