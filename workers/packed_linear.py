@@ -14,8 +14,9 @@ A step of one or two tokens is the exception: MKL's product of one row is
 a matrix-vector product that streams the weight as stored, and on an
 AVX-512 machine it beat oneDNN's packed kernel (30 layers' projections,
 one thread: 35.3 ms against 45.2 at one row, 42.2 against 46.5 at two,
-44.5-46.3 against 42.5-48.4 at three, 57.3 against 42.2 at four; in the
-model, one row's step took 55.6-60.8 ms against 73.0-76.1). A layer that
+44.5-46.3 against 42.5-48.4 at three, 57.3 against 42.2 at four; one
+row's engine step took 55.6-60.8 ms with torch's layers against 73.0-76.1
+packed, and 57.3-59.3 with both kept against 66.6-66.7). A layer that
 keeps its weight as stored (``keep_weight``) sends such steps through
 ``F.linear``; the price is the weights held twice.
 
