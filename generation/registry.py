@@ -43,10 +43,9 @@ class ModelSpec:
     attention: str = "sdpa"
     # The linear layers: "auto" packs float32 weights once for oneDNN on a
     # CPU (workers.packed_linear), keeping them as stored too for steps of one
-    # or two tokens where torch's product is measured faster at load, and
-    # keeps torch's own layers elsewhere; "packed" packs them alone (a
-    # worker that cannot pack fails to load it); "torch" keeps
-    # transformers' layers as they are.
+    # or two tokens, and keeps torch's own layers elsewhere; "packed" packs
+    # them alone (a worker that cannot pack fails to load it); "torch"
+    # keeps transformers' layers as they are.
     linear: str = "auto"
     # OpenMP threads of its engine on a CPU (0: every core but one, left to
     # the web, the database and the worker's own threads, as vLLM's CPU

@@ -491,46 +491,26 @@ def test_packed_linear_layers_answer_as_transformers_own(lm, requests):
         load_model(dataclasses.replace(lm.spec, linear="packed", dtype="bfloat16"))
 
 
-def test_steps_of_few_tokens_go_through_torchs_product_where_measured_faster(lm, requests):
+def test_steps_of_one_or_two_tokens_go_through_torchs_product_where_weights_are_kept(lm, requests):
     """A packed layer that keeps its weight as stored (``linear = "auto"``)
     computes a step of up to ``TORCH_STEP_TOKENS`` tokens with torch's own
-    product and a larger one with the packed product, until it is limited to
-    fewer; limited to none, it lets the weight go. The worker's layers are
-    limited to what was measured faster at load, and ``linear = "packed"``
+    product and a larger one with the packed product; ``linear = "packed"``
     holds the weights once, packed, and gives the same greedy answers."""
     linear = torch.nn.Linear(64, 32)
     kept, once = PackedLinear(linear, keep_weight=True), PackedLinear(linear, keep_weight=False)
     assert kept.weight is linear.weight and once.weight is None
-
-    def products(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        packed = torch.ops.mkldnn._linear_pointwise(x, once.packed, linear.bias, "none", [], "")
-        return torch.nn.functional.linear(x, linear.weight, linear.bias), packed
-
     with torch.inference_mode():
-        for allowed in range(TORCH_STEP_TOKENS, -1, -1):
-            if allowed < TORCH_STEP_TOKENS:
-                kept.limit_torch_steps(allowed)
-            assert kept.torch_step_tokens == allowed
-            for tokens in range(1, TORCH_STEP_TOKENS + 2):
-                x = torch.randn(1, tokens, 64)
-                plain, packed = products(x)
-                assert torch.equal(once(x), packed)
-                assert torch.equal(kept(x), plain if tokens <= allowed else packed)
-        assert kept.weight is None
-    with pytest.raises(ValueError, match="Cannot send steps"):
-        once.limit_torch_steps(1)
-    with pytest.raises(ValueError, match="Cannot send steps"):
-        PackedLinear(linear, keep_weight=True).limit_torch_steps(TORCH_STEP_TOKENS + 1)
+        for tokens in range(1, TORCH_STEP_TOKENS + 2):
+            x = torch.randn(1, tokens, 64)
+            packed = torch.ops.mkldnn._linear_pointwise(x, once.packed, linear.bias, "none", [], "")
+            assert torch.equal(once(x), packed)
+            plain = torch.nn.functional.linear(x, linear.weight, linear.bias)
+            assert torch.equal(kept(x), plain if tokens <= TORCH_STEP_TOKENS else packed)
     if not can_pack(lm.model.device, lm.model.dtype):
         return  # elsewhere torch's own layers are kept as they are (the test above)
-    layers = [m for m in lm.model.modules() if isinstance(m, PackedLinear)]  # "auto"
-    assert layers and 0 <= lm.torch_step_tokens <= TORCH_STEP_TOKENS
-    for layer in layers:
-        assert layer.torch_step_tokens == lm.torch_step_tokens
-        assert (layer.weight is None) == (lm.torch_step_tokens == 0)
+    assert lm.model.lm_head.weight is not None  # the worker's default, "auto"
     packed_only = load_model(dataclasses.replace(lm.spec, linear="packed"))
     layers = [m for m in packed_only.model.modules() if isinstance(m, PackedLinear)]
     assert layers and all(layer.weight is None for layer in layers)
-    assert packed_only.torch_step_tokens == 0
     for ids, limit, alone in requests:
         assert generate_alone(packed_only, ids, limit) == alone

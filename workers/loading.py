@@ -39,9 +39,6 @@ class LoadedModel:
     token_budget: int = 0  # tokens of keys and values its engine may hold
     chunk_tokens: int = 0  # prompt tokens its engine computes per step
     threads: int = 0  # OpenMP threads of its engine's steps (0: torch's own count)
-    # Steps of up to this many tokens go through torch's product, where its
-    # packed layers measured that faster at load (workers.packed_linear).
-    torch_step_tokens: int = 0
 
     @functools.cached_property
     def eos_token_ids(self) -> set[int]:
@@ -84,13 +81,11 @@ def engine_threads(spec: ModelSpec, device_type: str, available: int) -> int:
     return spec.cpu_threads or max(1, available - 1)
 
 
-def linear_layers(packed: bool, torch_step_tokens: int) -> str:
+def linear_layers(spec: ModelSpec, packed: bool) -> str:
     """How the load log names the model's linear layers."""
     if not packed:
         return "torch's"
-    if torch_step_tokens:
-        return f"packed, torch's for steps of up to {torch_step_tokens} tokens (measured faster)"
-    return "packed"
+    return "packed and plain" if spec.linear == "auto" else "packed"
 
 
 @functools.cache
@@ -99,7 +94,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
     from .model_runner import attention_implementation, kv_bytes_per_token
-    from .packed_linear import can_pack, keep_torch_steps_where_faster, pack_linear_layers
+    from .packed_linear import can_pack, pack_linear_layers
 
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if spec.device == "auto" else spec.device
@@ -117,14 +112,10 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         weights_folder(spec), dtype=dtype, attn_implementation=attention
     ).to(device)
     model.eval()
-    threads = engine_threads(spec, device.type, torch.get_num_threads())
-    torch_step_tokens = 0
     if packed:
-        # "auto" keeps the weights as stored too for as long as it takes to
-        # measure whether torch's own product computes steps of one or two
-        # tokens faster on this machine; "packed" holds them once.
+        # "auto" keeps the weights as stored too, for the steps of one or two
+        # tokens that torch's own product computes faster; "packed" holds them once.
         pack_linear_layers(model, keep_weights=spec.linear == "auto")
-        torch_step_tokens = keep_torch_steps_where_faster(model, threads)
     chunk_tokens = spec.prefill_chunk_tokens or CHUNK_TOKENS[device.type]
     budget = spec.kv_budget_tokens
     if not budget and device.type == "cuda":
@@ -146,12 +137,11 @@ def load_model(spec: ModelSpec) -> LoadedModel:
             )  # fmt: skip
     elif not budget:
         budget = CPU_BUDGET_CONTEXTS * spec.context_window
+    threads = engine_threads(spec, device.type, torch.get_num_threads())
     log.info(
         "Loaded %s on %s (%s, %s attention, %s linear layers, %s): %d tokens of keys and "
         "values, prompts in chunks of %d",
-        spec.id, device, dtype, spec.attention, linear_layers(packed, torch_step_tokens),
+        spec.id, device, dtype, spec.attention, linear_layers(spec, packed),
         f"{threads} engine threads" if threads else "torch's threads", budget, chunk_tokens,
     )  # fmt: skip
-    return LoadedModel(
-        spec, model, load_tokenizer(spec), budget, chunk_tokens, threads, torch_step_tokens
-    )
+    return LoadedModel(spec, model, load_tokenizer(spec), budget, chunk_tokens, threads)
