@@ -9,14 +9,16 @@ decoding steps (one token per row) three ways, each the median of
 
 - the runner's whole step (``ModelRunner.execute``: packing, the forward
   pass with per-row attention, sampling);
-- the model's forward pass alone over the same rows, as transformers runs a
-  batch with its own cache (``DynamicCache``, left-padded rows): what eager
+- transformers' own forward pass over the same rows, as it runs a batch
+  with its own cache (``DynamicCache``, left-padded rows): what eager
   transformers costs, with no engine around it;
-- the linear layers alone, as the model has them (every weight read once:
-  the floor any engine that reads fp32 weights on this CPU pays per step).
+- the engine's linear products alone, in the layout it loaded them in
+  (every weight read once: the floor any engine that reads fp32 weights on
+  this CPU pays per step).
 
-``--linear torch`` loads the model with transformers' own linear layers
-instead of the packed ones (the "before" of issue 26).
+``--linear torch`` computes the products with ``F.linear`` over the weights
+as loaded instead of the packed and transposed layouts (the "before" of
+issue 26).
 
 Then torch's profiler over ``--steps`` runner steps: the operators by self
 CPU time, and the step split into the engine's parts (attention rows,
@@ -70,18 +72,20 @@ def main() -> int:
     from generation.registry import get_model
     from workers.loading import load_model
 
-    model = load_model(dataclasses.replace(get_model(MODEL), linear=args.linear)).model
-    print(f"{MODEL}: {model.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    lm = load_model(dataclasses.replace(get_model(MODEL), linear=args.linear))
+    print(
+        f"{MODEL}: {lm.model.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
     for rows in args.rows:
         with torch.inference_mode():
-            steps = Steps(model, rows, args.context, max(args.rows))
+            steps = Steps(lm, rows, args.context, max(args.rows))
             engine_ms = median_ms(steps.engine_step, args.steps)
             plain_ms = median_ms(steps.transformers_step, args.steps)
             linear_ms = median_ms(steps.linear_layers, args.steps)
             print(
                 f"\n=== {rows} row(s), context {args.context}: engine step {engine_ms:.1f} ms, "
                 f"transformers' own decode step {plain_ms:.1f} ms, "
-                f"linear layers alone {linear_ms:.1f} ms ({len(steps.linears)} layers)"
+                f"linear products alone {linear_ms:.1f} ms ({len(steps.products)} products)"
             )
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 for _ in range(args.steps):
@@ -95,15 +99,15 @@ class Steps:
     """``rows`` requests of a ``context``-token prompt, prefilled, and the
     three ways to take one decoding step over them."""
 
-    def __init__(self, model: Any, rows: int, context: int, max_batch: int) -> None:
+    def __init__(self, lm: Any, rows: int, context: int, max_batch: int) -> None:
         import torch
         from transformers import DynamicCache
 
         from workers.model_runner import ModelRunner, RowSampling
         from workers.scheduler import Chunk, Request
 
-        self.model = model
-        self.runner = ModelRunner(model, max_batch=max_batch)
+        model = self.model = lm.model
+        self.runner = ModelRunner(lm.decoder, max_batch=max_batch)
         self.requests = [
             Request(
                 id=n,
@@ -124,12 +128,16 @@ class Steps:
         model(input_ids=ids, past_key_values=self.cache, use_cache=True)
         self.length = context
         self.step_ids = ids[:, -1:]
-        from workers.packed_linear import PackedLinear
-
-        # As the model has them: packed for oneDNN, or torch's own (linear = "torch").
-        self.linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear | PackedLinear)]
-        self.hidden = torch.randn(rows, model.config.hidden_size)
-        self.inter = torch.randn(rows, model.config.intermediate_size)
+        # In the layout the engine loaded them in, each with an input of its width.
+        decoder = lm.decoder
+        hidden = torch.randn(rows, decoder.hidden_size)
+        inter = torch.randn(rows, decoder.intermediate_size)
+        self.products = [
+            pair
+            for layer in decoder.layers
+            for pair in ((layer.qkv, hidden), (layer.o, hidden), (layer.gate_up, hidden))
+            + ((layer.down, inter),)
+        ] + [(decoder.head, hidden)]
 
     def engine_step(self) -> None:
         from workers.scheduler import Chunk
@@ -152,8 +160,8 @@ class Steps:
         )
 
     def linear_layers(self) -> None:
-        for layer in self.linears:
-            layer(self.inter if layer.in_features == self.inter.shape[1] else self.hidden)
+        for product, x in self.products:
+            product(x)
 
 
 def _plan(chunks: list) -> object:  # noqa: ANN001 - a StepPlan

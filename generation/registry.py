@@ -41,11 +41,11 @@ class ModelSpec:
     dtype: str = "auto"
     device: str = "auto"
     attention: str = "sdpa"
-    # The linear layers: "auto" packs float32 weights once for oneDNN on a
-    # CPU (workers.packed_linear), keeping them as stored too for steps of one
-    # or two tokens, and keeps torch's own layers elsewhere; "packed" packs
-    # them alone (a worker that cannot pack fails to load it); "torch"
-    # keeps transformers' layers as they are.
+    # The linear layers' layout (workers.linear): "auto" on a CPU in float32
+    # holds each weight packed for oneDNN (steps of several rows) and
+    # transposed (a step of one row), elsewhere torch's own; "packed" holds
+    # them packed alone (a worker that cannot pack fails to load it); "torch"
+    # computes with F.linear over the weights as loaded.
     linear: str = "auto"
     # OpenMP threads of its engine on a CPU (0: every core but one, left to
     # the web, the database and the worker's own threads, as vLLM's CPU

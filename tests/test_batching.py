@@ -21,8 +21,8 @@ from generation.registry import get_model
 from generation.tokens import prompt_tokenizer
 from workers import constraints, engine
 from workers.batching import BatchingEngine, Generation, engine_for
+from workers.linear import Product, can_pack
 from workers.loading import engine_threads, load_model
-from workers.packed_linear import TORCH_STEP_TOKENS, PackedLinear, can_pack
 
 PERSON = {
     "type": "object",
@@ -462,7 +462,8 @@ def test_a_request_without_room_is_preempted_and_its_resume_continues_exactly(lm
 
 def test_the_eager_kernel_batches_as_the_sdpa_one(lm, requests):
     eager_lm = load_model(dataclasses.replace(lm.spec, attention="eager"))
-    assert eager_lm.model.config._attn_implementation == "lmsp_eager"
+    assert eager_lm.model.config._attn_implementation == "eager"
+    assert eager_lm.decoder.kernel == "eager"
     eager = BatchingEngine(eager_lm, max_batch=8, chunk_tokens=16)
     try:
         gens = [eager.submit(ids, greedy(limit)) for ids, limit, _ in requests[:3]]
@@ -476,41 +477,61 @@ def test_the_eager_kernel_batches_as_the_sdpa_one(lm, requests):
 
 
 def test_packed_linear_layers_answer_as_transformers_own(lm, requests):
-    """On a CPU the worker's model computes its linear layers with weights
-    packed for oneDNN; the same weights through transformers' own layers
-    give the same greedy answers."""
+    """On a CPU the engine computes its linear layers with weights packed for
+    oneDNN (and transposed, for a step of one row); the engine's greedy
+    answers equal those of the same weights through transformers' own
+    layers, one request at a time."""
     packs = can_pack(lm.model.device, lm.model.dtype)
-    assert isinstance(lm.model.lm_head, PackedLinear) == packs
+    assert (lm.decoder.head.packed is not None) == packs
     plain = load_model(dataclasses.replace(lm.spec, linear="torch"))
     assert type(plain.model.lm_head) is torch.nn.Linear
-    assert not any(isinstance(module, PackedLinear) for module in plain.model.modules())
-    for ids, limit, alone in requests:
-        assert generate_alone(plain, ids, limit) == alone
+    products = [plain.decoder.head] + [layer.qkv for layer in plain.decoder.layers]
+    assert all(p.packed is None and p.transposed is None for p in products)
+    served = BatchingEngine(lm, max_batch=8)
+    try:
+        gens = [served.submit(ids, greedy(limit)) for ids, limit, _ in requests]
+        for gen in gens:
+            assert gen.wait(300)
+    finally:
+        served.close(timeout=60)
+    for (ids, limit, _), gen in zip(requests, gens, strict=True):
+        assert_same(plain, ids, generate_alone(plain, ids, limit), gen)
     # Insisting where it cannot pack is refused before any weight is read.
     with pytest.raises(ValueError, match='linear = "packed" needs float32 on a CPU'):
         load_model(dataclasses.replace(lm.spec, linear="packed", dtype="bfloat16"))
 
 
-def test_steps_of_one_or_two_tokens_go_through_torchs_product_where_weights_are_kept(lm, requests):
-    """A packed layer that keeps its weight as stored (``linear = "auto"``)
-    computes a step of up to ``TORCH_STEP_TOKENS`` tokens with torch's own
-    product and a larger one with the packed product; ``linear = "packed"``
-    holds the weights once, packed, and gives the same greedy answers."""
+def test_a_step_of_one_row_reads_the_transposed_weight_and_more_rows_the_packed_one(lm, requests):
+    """``linear = "auto"`` computes a step of one row with the weight stored
+    transposed and a larger one with the packed weight; ``linear =
+    "packed"`` holds the packed weights alone and gives the same greedy
+    answers; ``torch`` is ``F.linear``."""
     linear = torch.nn.Linear(64, 32)
-    kept, once = PackedLinear(linear, keep_weight=True), PackedLinear(linear, keep_weight=False)
-    assert kept.weight is linear.weight and once.weight is None
+    weight, bias = linear.weight.detach(), linear.bias.detach()
+    auto, packed = Product(weight, bias, "auto"), Product(weight, bias, "packed")
+    plain = Product(weight, bias, "torch")
+    assert packed.transposed is None and packed.weight is None
     with torch.inference_mode():
-        for tokens in range(1, TORCH_STEP_TOKENS + 2):
-            x = torch.randn(1, tokens, 64)
-            packed = torch.ops.mkldnn._linear_pointwise(x, once.packed, linear.bias, "none", [], "")
-            assert torch.equal(once(x), packed)
-            plain = torch.nn.functional.linear(x, linear.weight, linear.bias)
-            assert torch.equal(kept(x), plain if tokens <= TORCH_STEP_TOKENS else packed)
+        for rows in (1, 2, 3):
+            x = torch.randn(rows, 64)
+            by_packed = torch.ops.mkldnn._linear_pointwise(x, packed.packed, bias, "none", [], "")
+            assert torch.equal(packed(x), by_packed)
+            by_transposed = torch.addmm(bias, x, weight.t().contiguous())
+            assert torch.equal(auto(x), by_transposed if rows == 1 else by_packed)
+            assert torch.equal(plain(x), torch.nn.functional.linear(x, weight, bias))
     if not can_pack(lm.model.device, lm.model.dtype):
-        return  # elsewhere torch's own layers are kept as they are (the test above)
-    assert lm.model.lm_head.weight is not None  # the worker's default, "auto"
+        return  # elsewhere torch's own products are kept (the test above)
+    assert lm.decoder.head.transposed is not None  # the worker's default, "auto"
     packed_only = load_model(dataclasses.replace(lm.spec, linear="packed"))
-    layers = [m for m in packed_only.model.modules() if isinstance(m, PackedLinear)]
-    assert layers and all(layer.weight is None for layer in layers)
-    for ids, limit, alone in requests:
-        assert generate_alone(packed_only, ids, limit) == alone
+    layers = packed_only.decoder.layers
+    products = [packed_only.decoder.head] + [p for layer in layers for p in (layer.qkv, layer.down)]
+    assert all(p.packed is not None and p.transposed is None for p in products)
+    engine_packed = BatchingEngine(packed_only, max_batch=8)
+    try:
+        gens = [engine_packed.submit(ids, greedy(limit)) for ids, limit, _ in requests]
+        for gen in gens:
+            assert gen.wait(300)
+    finally:
+        engine_packed.close(timeout=60)
+    for (ids, _, alone), gen in zip(requests, gens, strict=True):
+        assert_same(packed_only, ids, alone, gen)

@@ -196,7 +196,7 @@ class BatchingEngine:
             chunk_tokens=chunk_tokens or lm.chunk_tokens,
             prefix_cache=spec.prefix_cache if prefix_cache is None else prefix_cache,
         )
-        self.runner = ModelRunner(lm.model, max_batch)
+        self.runner = ModelRunner(lm.decoder, max_batch)
         self._ids = itertools.count(1)
         self._inbox: collections.deque[Request] = collections.deque()
         self._generations: dict[int, tuple[Generation, TokenCallback | None]] = {}

@@ -20,6 +20,8 @@ from generation.weights import weights_folder
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+    from .decoder import Decoder
+
 log = logging.getLogger(__name__)
 
 # Prompt tokens per step when models.toml leaves it to the device: on the
@@ -34,7 +36,8 @@ CPU_BUDGET_CONTEXTS = 4
 @dataclass
 class LoadedModel:
     spec: ModelSpec
-    model: PreTrainedModel
+    model: PreTrainedModel  # transformers' own modules: model.generate, the eager path
+    decoder: Decoder  # the engine's forward pass over the same weights
     tokenizer: PreTrainedTokenizerBase
     token_budget: int = 0  # tokens of keys and values its engine may hold
     chunk_tokens: int = 0  # prompt tokens its engine computes per step
@@ -81,20 +84,18 @@ def engine_threads(spec: ModelSpec, device_type: str, available: int) -> int:
     return spec.cpu_threads or max(1, available - 1)
 
 
-def linear_layers(spec: ModelSpec, packed: bool) -> str:
+def linear_layers(layout: str) -> str:
     """How the load log names the model's linear layers."""
-    if not packed:
-        return "torch's"
-    return "packed and plain" if spec.linear == "auto" else "packed"
+    return {"auto": "packed and transposed", "packed": "packed", "torch": "torch's"}[layout]
 
 
 @functools.cache
 def load_model(spec: ModelSpec) -> LoadedModel:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .model_runner import attention_implementation, kv_bytes_per_token
-    from .packed_linear import can_pack, pack_linear_layers
+    from .decoder import Decoder, kv_bytes_per_token, unsupported
+    from .linear import can_pack
 
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if spec.device == "auto" else spec.device
@@ -103,19 +104,20 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     else:
         dtype = getattr(torch, spec.dtype)
-    attention = attention_implementation(spec.attention)
     packable = can_pack(device, dtype)
-    if spec.linear == "packed" and not packable:  # refused before the weights are read
+    # Refused before the weights are read.
+    if spec.linear == "packed" and not packable:
         raise ValueError(f'{spec.id}: linear = "packed" needs float32 on a CPU with oneDNN.')
-    packed = spec.linear == "packed" or (spec.linear == "auto" and packable)
+    reason = unsupported(AutoConfig.from_pretrained(weights_folder(spec)))
+    if reason is not None:
+        raise ValueError(f"{spec.id}: the engine cannot run this model: {reason}.")
+    layout = spec.linear if spec.linear != "auto" or packable else "torch"
     model = AutoModelForCausalLM.from_pretrained(
-        weights_folder(spec), dtype=dtype, attn_implementation=attention
+        weights_folder(spec), dtype=dtype, attn_implementation=spec.attention
     ).to(device)
     model.eval()
-    if packed:
-        # "auto" keeps the weights as stored too, for the steps of one or two
-        # tokens that torch's own product computes faster; "packed" holds them once.
-        pack_linear_layers(model, keep_weights=spec.linear == "auto")
+    with torch.no_grad():
+        decoder = Decoder(model, layout, spec.attention)
     chunk_tokens = spec.prefill_chunk_tokens or CHUNK_TOKENS[device.type]
     budget = spec.kv_budget_tokens
     if not budget and device.type == "cuda":
@@ -141,7 +143,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     log.info(
         "Loaded %s on %s (%s, %s attention, %s linear layers, %s): %d tokens of keys and "
         "values, prompts in chunks of %d",
-        spec.id, device, dtype, spec.attention, linear_layers(spec, packed),
+        spec.id, device, dtype, spec.attention, linear_layers(layout),
         f"{threads} engine threads" if threads else "torch's threads", budget, chunk_tokens,
     )  # fmt: skip
-    return LoadedModel(spec, model, load_tokenizer(spec), budget, chunk_tokens, threads)
+    return LoadedModel(spec, model, decoder, load_tokenizer(spec), budget, chunk_tokens, threads)

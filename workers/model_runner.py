@@ -2,20 +2,17 @@
 samples the next token of each request that asked for one.
 
 Why a runner of its own: the scheduler (``scheduler``) decides in plain
-Python; everything that touches tensors is here, so that a faster way to run
-a step (another memory layout, compiled kernels, CUDA graphs) is a change to
-this module alone.
+Python; everything that touches tensors is here and in the forward pass it
+calls (``decoder``), so that a faster way to run a step (another memory
+layout, compiled kernels, CUDA graphs) is a change to these two alone.
 
 How a step runs: the chunks of the plan (a decoding row's one token, a
 prompt's chunk) are packed end to end into one sequence and go through the
 model in one forward pass, so every weight is read once per step whatever
 the mix, and no padding is computed. Attention is the one part that must
-tell the requests apart: the model's attention layers call ``_attention``
-(registered with transformers as ``lmsp_sdpa`` / ``lmsp_eager``), which
-writes each chunk's keys and values into its request's own memory
-(``KVStore``) and attends over that request's tokens alone, with the
-kernel transformers would use (its ``sdpa`` or ``eager`` function; a row
-needing no mask calls torch's attention directly, as ``sdpa`` would).
+tell the requests apart: each chunk is a ``decoder.Row``, its slice of the
+sequence and views of its request's memory (``KVStore``), where its keys
+and values are stored and over which its queries attend.
 
 Each request's keys and values live in one tensor pair of its own
 (``[layers, kv_heads, capacity, head_dim]``), grown ``GROW_TOKENS`` at a
@@ -28,17 +25,13 @@ has computed, gets a copy of that prefix.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import xgrammar as xgr
-from transformers import AttentionInterface, PretrainedConfig
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
-from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from .decoder import Decoder, Row
 from .scheduler import Adopt, Chunk, MemoryOp, Release, Request, Share, StepPlan
 
 log = logging.getLogger(__name__)
@@ -46,34 +39,6 @@ log = logging.getLogger(__name__)
 # Memory is grown this many tokens at a time: a generation of n tokens is
 # copied n / GROW_TOKENS times, and holds at most this many tokens unused.
 GROW_TOKENS = 256
-
-Kernel = Callable[..., tuple[torch.Tensor, Any]]
-KERNELS: dict[str, Kernel] = {"sdpa": sdpa_attention_forward, "eager": eager_attention_forward}
-_MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}
-# Given to the model as its attention mask in the engine's own calls: an
-# already prepared (4D) mask is taken as it is, so the model builds none of
-# its own; ``_attention`` masks each row itself.
-_ROWS_MASK_THEMSELVES = torch.ones((1, 1, 1, 1), dtype=torch.bool)
-
-
-def head_dim(config: PretrainedConfig) -> int:
-    return int(
-        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    )
-
-
-def kv_bytes_per_token(config: PretrainedConfig, dtype_bytes: int) -> int:
-    """Bytes of keys and values one token holds, all layers together."""
-    per_layer = 2 * int(config.num_key_value_heads) * head_dim(config) * dtype_bytes
-    return int(config.num_hidden_layers) * per_layer
-
-
-def attention_implementation(kernel: str) -> str:
-    """The name to load a model with so that the engine can batch it
-    (``attention`` in models.toml picks the kernel)."""
-    if kernel not in KERNELS:
-        raise ValueError(f"Unknown attention kernel {kernel!r} (one of {sorted(KERNELS)}).")
-    return f"lmsp_{kernel}"
 
 
 @dataclass(eq=False)
@@ -145,96 +110,19 @@ class KVStore:
                 self.allocated_tokens -= evicted.capacity
 
 
-@dataclass(frozen=True)
-class _Row:
-    """Where one chunk sits in a step: its slice of the packed sequence, the
-    mask its queries need, and views of its request's memory over every
-    layer (made once a step, so a layer only picks its own): where its new
-    keys and values go, and all of its keys and values up to them."""
-
-    begin: int  # its slice of the packed sequence
-    end: int
-    mask: torch.Tensor | None
-    new_keys: torch.Tensor  # [layers, kv_heads, tokens, head_dim]
-    new_values: torch.Tensor
-    keys: torch.Tensor  # [layers, 1, kv_heads, start + tokens, head_dim]
-    values: torch.Tensor
-
-    @classmethod
-    def of(cls, kv: KV, start: int, begin: int, end: int, mask: torch.Tensor | None) -> _Row:
-        stop = start + end - begin
-        return cls(
-            begin,
-            end,
-            mask,
-            kv.keys[:, :, start:stop],
-            kv.values[:, :, start:stop],
-            kv.keys[:, None, :, :stop],
-            kv.values[:, None, :, :stop],
-        )
-
-
-def _attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    *,
-    kernel: Kernel,
-    lmsp_rows: Sequence[_Row] | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, Any]:
-    """The model's attention in an engine step: each row's new keys and values
-    stored, then its queries attend over its own tokens. Called without rows
-    (a plain ``model(...)`` or ``generate``), it is the kernel itself.
-
-    A row that needs no mask (a decoding row, a prompt's first chunk) under
-    the ``sdpa`` kernel calls torch's attention directly, with the arguments
-    transformers' ``sdpa`` function would give it: its checks and reshapes
-    cost more than the attention of one token, and they were paid for every
-    row of every layer."""
-    if lmsp_rows is None:
-        return kernel(module, query, key, value, attention_mask, **kwargs)
-    layer = module.layer_idx
-    direct = kernel is sdpa_attention_forward and kwargs.get("position_bias") is None
-    gqa = getattr(module, "num_key_value_groups", 1) > 1
-    outputs = []  # [1, heads, tokens, head_dim] each
-    for row in lmsp_rows:
-        row.new_keys[layer].copy_(key[0, :, row.begin : row.end])
-        row.new_values[layer].copy_(value[0, :, row.begin : row.end])
-        rows_query = query[:, :, row.begin : row.end]
-        if direct and row.mask is None:
-            outputs.append(
-                torch.nn.functional.scaled_dot_product_attention(
-                    rows_query,
-                    row.keys[layer],
-                    row.values[layer],
-                    scale=kwargs.get("scaling"),
-                    is_causal=row.end - row.begin > 1,
-                    enable_gqa=gqa,
-                )
-            )
-        else:
-            output, _ = kernel(
-                module, rows_query, row.keys[layer], row.values[layer], row.mask, **kwargs
-            )
-            outputs.append(output.transpose(1, 2))
-    joined = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
-    return joined.transpose(1, 2), None
-
-
-def _register() -> None:
-    for name, kernel in KERNELS.items():
-
-        def attention(*args: Any, kernel: Kernel = kernel, **kwargs: Any) -> tuple[Any, Any]:
-            return _attention(*args, kernel=kernel, **kwargs)
-
-        AttentionInterface.register(f"lmsp_{name}", attention)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(f"lmsp_{name}", _MASKS[name])
-
-
-_register()
+def _row(kv: KV, start: int, begin: int, end: int, mask: torch.Tensor | None) -> Row:
+    """A chunk's ``Row``: positions ``start`` on of its request's memory ``kv``,
+    at ``begin:end`` of the step's sequence."""
+    stop = start + end - begin
+    return Row(
+        begin,
+        end,
+        mask,
+        kv.keys[:, :, start:stop],
+        kv.values[:, :, start:stop],
+        kv.keys[:, None, :, :stop],
+        kv.values[:, None, :, :stop],
+    )
 
 
 @dataclass
@@ -262,20 +150,12 @@ class StepResult:
 class ModelRunner:
     """Runs plans on one loaded model."""
 
-    def __init__(self, model: torch.nn.Module, max_batch: int) -> None:
-        config = model.config
-        self.model = model
-        self.kernel = config._attn_implementation.removeprefix("lmsp_")
-        if self.kernel not in KERNELS:
-            raise ValueError("Load the model with attention_implementation(...) to batch it.")
-        self.device = model.device
-        self.vocab_size = config.vocab_size
+    def __init__(self, decoder: Decoder, max_batch: int) -> None:
+        self.decoder = decoder
+        self.device = decoder.device
+        self.vocab_size = decoder.vocab_size
         self.store = KVStore(
-            config.num_hidden_layers,
-            config.num_key_value_heads,
-            head_dim(config),
-            model.dtype,
-            self.device,
+            decoder.num_layers, decoder.kv_heads, decoder.head_dim, decoder.dtype, self.device
         )
         self._bitmask = xgr.allocate_token_bitmask(max_batch, self.vocab_size)
 
@@ -294,7 +174,7 @@ class ModelRunner:
         if not chunks:
             return StepResult({}, failed)
         sampling = [chunk for chunk in chunks if chunk.sample]
-        rows: list[_Row] = []
+        rows: list[Row] = []
         ids: list[int] = []
         positions: list[int] = []
         last: list[int] = []
@@ -304,21 +184,19 @@ class ModelRunner:
             positions += range(chunk.start, chunk.start + len(chunk.token_ids))
             stop = chunk.start + len(chunk.token_ids)
             kv = self.store.room(chunk.request.id, stop, chunk.start)
-            rows.append(_Row.of(kv, chunk.start, begin, len(ids), self._mask(chunk)))
+            rows.append(_row(kv, chunk.start, begin, len(ids), self._mask(chunk)))
             if chunk.sample:
                 last.append(len(ids) - 1)
         device = self.device
-        output = self.model(
-            input_ids=torch.tensor([ids], device=device),
-            position_ids=torch.tensor([positions], device=device),
-            attention_mask=_ROWS_MASK_THEMSELVES,
-            use_cache=False,
-            logits_to_keep=torch.tensor(last, dtype=torch.long, device=device),
-            lmsp_rows=rows,
+        logits = self.decoder.forward(
+            torch.tensor(ids, device=device),
+            torch.tensor(positions, device=device),
+            rows,
+            torch.tensor(last, dtype=torch.long, device=device),
         )
         if not sampling:
             return StepResult({}, failed)
-        token_ids = self._choose(output.logits[0], [row_sampling(c.request) for c in sampling])
+        token_ids = self._choose(logits, [row_sampling(c.request) for c in sampling])
         sampled = {}
         for chunk, token_id in zip(sampling, token_ids, strict=True):
             request = chunk.request
@@ -338,12 +216,13 @@ class ModelRunner:
         them (one token, or a whole prompt from its start: the kernel's own
         causal path, as in a plain forward pass), else an explicit mask."""
         n = len(chunk.token_ids)
-        if n == 1 or (chunk.start == 0 and self.kernel == "sdpa"):
+        kernel = self.decoder.kernel
+        if n == 1 or (chunk.start == 0 and kernel == "sdpa"):
             return None
         query = torch.arange(chunk.start, chunk.start + n, device=self.device)
         visible = torch.arange(chunk.start + n, device=self.device)[None, :] <= query[:, None]
-        if self.kernel == "eager":  # an additive mask
-            dtype = self.model.dtype
+        if kernel == "eager":  # an additive mask
+            dtype = self.decoder.dtype
             hidden = torch.zeros(visible.shape, dtype=dtype, device=self.device)
             return hidden.masked_fill(~visible, torch.finfo(dtype).min)[None, None]
         return visible[None, None]

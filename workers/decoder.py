@@ -1,0 +1,286 @@
+"""The forward pass of an engine step: a Llama-style model's decoder layers as
+plain torch operations over its weights.
+
+Why not the model's own forward: transformers' modules spend a decoding
+step's time around the arithmetic (decorators, keyword plumbing, masks and
+output records built per call, a module call per product), and a step's
+arithmetic is small: one row's step took 54.9-60.4 ms through them against
+37.6-38.2 here, eight rows' 75.3-86.4 against 64.7-67.6, one thread each,
+the same hour (bench/README.md, issue 26). Here a layer is one normalisation,
+one product for q/k/v together, the rotary embedding, attention, the output
+product, another normalisation and one product for gate and up together
+before the down product. The model's own modules stay as they are for
+``model.generate`` (``workers.engine``), the path the engine's answers are
+compared with.
+
+What a layer computes is what transformers' Llama, Mistral, Qwen2 and Qwen3
+layers compute, operation for operation where that costs nothing (the
+norms, the rotary embedding, the attention kernels' arguments), so greedy
+answers equal the eager path's; the products differ from ``F.linear`` in
+their last bits where their layout does (``workers.linear``).
+
+Attention is the one part that tells the rows of a step apart: the model
+runner gives each chunk (a decoding row's one token, a prompt's chunk) as a
+``Row``, its slice of the packed sequence and views of its request's memory;
+its new keys and values are stored there and its queries attend over its
+own tokens, with the kernel the model was loaded with (``sdpa`` or
+``eager``, as transformers calls it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import PretrainedConfig
+
+from .linear import Product
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Rotary embeddings whose frequencies do not change with the sequence's length.
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+KERNELS = ("sdpa", "eager")
+
+
+def head_dim(config: PretrainedConfig) -> int:
+    return int(
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+
+
+def kv_bytes_per_token(config: PretrainedConfig, dtype_bytes: int) -> int:
+    """Bytes of keys and values one token holds, all layers together."""
+    per_layer = 2 * int(config.num_key_value_heads) * head_dim(config) * dtype_bytes
+    return int(config.num_hidden_layers) * per_layer
+
+
+def unsupported(config: PretrainedConfig) -> str | None:
+    """Why the engine cannot run a model of ``config``, or None when it can."""
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    if config.model_type not in ARCHITECTURES:
+        return f"architecture {config.model_type!r} (the engine runs {', '.join(ARCHITECTURES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (the engine runs silu)"
+    if rope not in STATIC_ROPE:
+        return f"rotary embedding {rope!r} (the engine runs {', '.join(STATIC_ROPE)})"
+    if any(kind != "full_attention" for kind in layer_types):
+        return "sliding-window attention (the engine runs full attention)"
+    return None
+
+
+@dataclass(frozen=True)
+class Row:
+    """Where one chunk sits in a step: its slice of the packed sequence, the
+    mask its queries need (None: all tokens before them, the kernel's own
+    causal path), and views of its request's memory over every layer (made
+    once a step, so a layer only picks its own): where its new keys and
+    values go, and all of its keys and values up to them."""
+
+    begin: int  # its slice of the packed sequence
+    end: int
+    mask: torch.Tensor | None
+    new_keys: torch.Tensor  # [layers, kv_heads, tokens, head_dim]
+    new_values: torch.Tensor
+    keys: torch.Tensor  # [layers, 1, kv_heads, start + tokens, head_dim]
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: Product
+    q_norm: torch.Tensor | None  # Qwen3 normalises each head's queries and keys
+    k_norm: torch.Tensor | None
+    o: Product
+    post_norm: torch.Tensor
+    gate_up: Product
+    down: Product
+
+
+def _merged(layers: Sequence[Any], layout: str) -> Product:
+    """One product for ``layers`` (torch ``Linear`` modules over the same input),
+    their outputs side by side. In torch's layout the layers then read their
+    rows of its weight instead of holding copies of their own."""
+    weight = torch.cat([layer.weight for layer in layers])
+    biases = [layer.bias for layer in layers]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        raise ValueError("Layers merged into one product need a bias each or none.")
+    bias = None if biases[0] is None else torch.cat(biases)
+    product = Product(weight, bias, layout)
+    if product.weight is not None:
+        rows = product.weight.split([layer.out_features for layer in layers])
+        for layer, own in zip(layers, rows, strict=True):
+            layer.weight.data = own
+    return product
+
+
+def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
+    """Each key/value head repeated for the query heads that share it, as
+    transformers' ``repeat_kv`` does."""
+    if groups == 1:
+        return states
+    batch, heads, length, dim = states.shape
+    expanded = states[:, :, None].expand(batch, heads, groups, length, dim)
+    return expanded.reshape(batch, heads * groups, length, dim)
+
+
+class Decoder:
+    """A loaded Llama-style model's forward pass over packed rows, with its
+    linear layers in ``layout`` (``workers.linear``) and attention through
+    ``kernel`` (``sdpa`` or ``eager``)."""
+
+    def __init__(self, model: Any, layout: str, kernel: str) -> None:
+        config = model.config
+        reason = unsupported(config)
+        if reason is not None:
+            raise ValueError(f"The engine cannot run this model: {reason}.")
+        if kernel not in KERNELS:
+            raise ValueError(f"Unknown attention kernel {kernel!r} (one of {sorted(KERNELS)}).")
+        self.kernel = kernel
+        self.device = model.device
+        self.dtype = model.dtype
+        self.num_layers = int(config.num_hidden_layers)
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.head_dim = head_dim(config)
+        self.groups = self.heads // self.kv_heads
+        self.vocab_size = int(config.vocab_size)
+        self.eps = float(config.rms_norm_eps)
+        self.hidden_size = int(config.hidden_size)
+        self.intermediate_size = int(config.intermediate_size)
+        decoder = model.model
+        self.embedding = decoder.embed_tokens.weight
+        self.layers = []
+        for layer in decoder.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+            self.layers.append(
+                _Layer(
+                    layer.input_layernorm.weight,
+                    _merged([attention.q_proj, attention.k_proj, attention.v_proj], layout),
+                    None if q_norm is None else q_norm.weight,
+                    None if k_norm is None else k_norm.weight,
+                    _merged([attention.o_proj], layout),
+                    layer.post_attention_layernorm.weight,
+                    _merged([mlp.gate_proj, mlp.up_proj], layout),
+                    _merged([mlp.down_proj], layout),
+                )
+            )
+        self.scaling = float(decoder.layers[0].self_attn.scaling)
+        self.norm = decoder.norm.weight
+        # The output layer is often tied to the embedding: its weight is left
+        # to both, and the product holds copies of its own where it lays it out.
+        self.head = Product(model.lm_head.weight, model.lm_head.bias, layout)
+        rotary = decoder.rotary_emb
+        self._inv_freq = rotary.inv_freq.float()
+        self._rotary_scaling = float(rotary.attention_scaling)
+        self._cos, self._sin = self._rotary_tables(int(config.max_position_embeddings))
+
+    def _rotary_tables(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embedding's cosines and sines of every position below
+        ``positions``, as transformers computes them for each step."""
+        frequencies = (
+            torch.arange(positions, device=self.device)[:, None].float()
+            * self._inv_freq.to(self.device)
+        )  # fmt: skip
+        angles = torch.cat((frequencies, frequencies), dim=-1)
+        return (
+            (angles.cos() * self._rotary_scaling).to(self.dtype),
+            (angles.sin() * self._rotary_scaling).to(self.dtype),
+        )
+
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, rows: Sequence[Row], last: torch.Tensor
+    ) -> torch.Tensor:
+        """The logits (``[len(last), vocab]``) after the tokens at indices
+        ``last`` of the packed sequence ``ids`` (at ``positions``), each row
+        storing its keys and values and attending over its own."""
+        tokens = ids.shape[0]
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        queries = heads * dim
+        keys_end = queries + kv_heads * dim
+        if int(positions.max()) >= self._cos.shape[0]:
+            self._cos, self._sin = self._rotary_tables(2 * int(positions.max()) + 1)
+        cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
+        hidden = F.embedding(ids, self.embedding)
+        shape = (self.hidden_size,)
+        for index, layer in enumerate(self.layers):
+            normed = F.rms_norm(hidden, shape, layer.input_norm, self.eps)
+            qkv = layer.qkv(normed)
+            query_key = qkv[:, :keys_end].view(tokens, heads + kv_heads, dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                query_key = torch.cat(
+                    (
+                        F.rms_norm(query_key[:, :heads], (dim,), layer.q_norm, self.eps),
+                        F.rms_norm(query_key[:, heads:], (dim,), layer.k_norm, self.eps),
+                    ),
+                    dim=1,
+                )
+            rotated = torch.cat((-query_key[..., dim // 2 :], query_key[..., : dim // 2]), dim=-1)
+            query_key = query_key * cos + rotated * sin
+            values = qkv[:, keys_end:].view(tokens, kv_heads, dim)
+            attended = self._attend(index, query_key[:, :heads], query_key[:, heads:], values, rows)
+            hidden = hidden + layer.o(attended.reshape(tokens, queries))
+            normed = F.rms_norm(hidden, shape, layer.post_norm, self.eps)
+            gate_up = layer.gate_up(normed)
+            gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
+            hidden = hidden + layer.down(F.silu(gate) * up)
+        return self.head(F.rms_norm(hidden[last], shape, self.norm, self.eps))
+
+    def _attend(
+        self,
+        layer: int,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rows: Sequence[Row],
+    ) -> torch.Tensor:
+        """Each row's new keys and values (``[tokens, kv_heads, head_dim]``)
+        stored, then its queries (``[tokens, heads, head_dim]``) attending
+        over its own tokens; ``[tokens, heads, head_dim]``."""
+        outputs = []
+        for row in rows:
+            row.new_keys[layer].copy_(keys[row.begin : row.end].transpose(0, 1))
+            row.new_values[layer].copy_(values[row.begin : row.end].transpose(0, 1))
+            query = queries[row.begin : row.end].transpose(0, 1)[None]
+            output = self._kernel(query, row.keys[layer], row.values[layer], row.mask)
+            outputs.append(output[0].transpose(0, 1))
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+    def _kernel(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``[1, heads, tokens, head_dim]`` attending over ``[1, kv_heads, n,
+        head_dim]``, with the arguments transformers' ``sdpa`` and ``eager``
+        functions give their kernels."""
+        if self.kernel == "eager":
+            keys, values = _repeat_kv(keys, self.groups), _repeat_kv(values, self.groups)
+            weights = torch.matmul(query, keys.transpose(2, 3)) * self.scaling
+            if mask is not None:
+                weights = weights + mask
+            weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+            return torch.matmul(weights, values)
+        if mask is None:
+            return F.scaled_dot_product_attention(
+                query,
+                keys,
+                values,
+                scale=self.scaling,
+                is_causal=query.shape[2] > 1,
+                enable_gqa=self.groups > 1,
+            )
+        return F.scaled_dot_product_attention(
+            query,
+            _repeat_kv(keys, self.groups),
+            _repeat_kv(values, self.groups),
+            attn_mask=mask,
+            scale=self.scaling,
+        )
