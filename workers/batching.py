@@ -286,8 +286,8 @@ class BatchingEngine:
             running=self.running,
             waiting=self.waiting,
             counts=SchedulerStats(**vars(scheduler.stats)),
-            allocated_tokens=self.runner.store.allocated_tokens,
-            peak_allocated_tokens=self.runner.store.peak_allocated_tokens,
+            allocated_tokens=self.runner.memory.allocated_tokens,
+            peak_allocated_tokens=self.runner.memory.peak_allocated_tokens,
         )
 
     def drain(self) -> None:

@@ -19,12 +19,13 @@ norms, the rotary embedding, the attention kernels' arguments), so greedy
 answers equal the eager path's; the products differ from ``F.linear`` in
 their last bits where their layout does (``workers.linear``).
 
-Attention is the one part that tells the rows of a step apart: the model
-runner gives each chunk (a decoding row's one token, a prompt's chunk) as a
-``Row``, its slice of the packed sequence and views of its request's memory;
-its new keys and values are stored there and its queries attend over its
-own tokens, with the kernel the model was loaded with (``sdpa`` or
-``eager``, as transformers calls it).
+Attention is the one part that tells the rows of a step apart: each row's
+new keys and values are stored in its request's slot of the memory
+(``kv_cache``) and its queries attend over that slot's tokens, with the
+kernel the model was loaded with (``sdpa`` or ``eager``, as transformers
+calls it). The decoding rows (one token each) attend together, one call per
+layer over the slots padded to the longest (``Decoding``); a prompt's chunk
+attends alone (``Span``).
 """
 
 from __future__ import annotations
@@ -73,20 +74,45 @@ def unsupported(config: PretrainedConfig) -> str | None:
 
 
 @dataclass(frozen=True)
-class Row:
-    """Where one chunk sits in a step: its slice of the packed sequence, the
+class Span:
+    """A chunk of several tokens in a step (a prompt's): its slice of the packed
+    sequence, its request's slot, the position of its first token, and the
     mask its queries need (None: all tokens before them, the kernel's own
-    causal path), and views of its request's memory over every layer (made
-    once a step, so a layer only picks its own): where its new keys and
-    values go, and all of its keys and values up to them."""
+    causal path)."""
 
-    begin: int  # its slice of the packed sequence
+    begin: int
     end: int
+    slot: int
+    start: int
     mask: torch.Tensor | None
-    new_keys: torch.Tensor  # [layers, kv_heads, tokens, head_dim]
-    new_values: torch.Tensor
-    keys: torch.Tensor  # [layers, 1, kv_heads, start + tokens, head_dim]
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """The step's rows of one token each (decoding), first in its packed
+    sequence, attending together: over the first ``slot_count`` slots of the
+    memory and their first ``length`` tokens, ``mask`` (``[slot_count, 1, 1,
+    length]``) telling which each slot's token sees (None: all)."""
+
+    rows: int
+    slots: torch.Tensor  # each row's slot
+    positions: torch.Tensor  # each row's token's position
+    slot_count: int
+    length: int
+    mask: torch.Tensor | None
+    in_order: bool  # the rows are slots 0 to slot_count - 1, in that order
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """What a step's attention reads and writes: the running requests' keys and
+    values (``[layers, slots, kv_heads, capacity, head_dim]``, ``kv_cache``),
+    the decoding rows attended together, and the chunks attended one by one."""
+
+    keys: torch.Tensor
     values: torch.Tensor
+    decoding: Decoding | None
+    spans: Sequence[Span]
 
 
 @dataclass(frozen=True)
@@ -194,15 +220,15 @@ class Decoder:
         )
 
     def forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, rows: Sequence[Row], last: torch.Tensor
+        self, ids: torch.Tensor, positions: torch.Tensor, memory: StepMemory, last: torch.Tensor
     ) -> torch.Tensor:
         """The logits (``[len(last), vocab]``) after the tokens at indices
         ``last`` of the packed sequence ``ids`` (at ``positions``), each row
-        storing its keys and values and attending over its own."""
+        storing its keys and values in ``memory`` and attending over its own."""
         tokens = ids.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        queries = heads * dim
-        keys_end = queries + kv_heads * dim
+        width = heads * dim  # of the queries, and of attention's output
+        keys_end = width + kv_heads * dim
         if int(positions.max()) >= self._cos.shape[0]:
             self._cos, self._sin = self._rotary_tables(2 * int(positions.max()) + 1)
         cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
@@ -223,8 +249,9 @@ class Decoder:
             rotated = torch.cat((-query_key[..., dim // 2 :], query_key[..., : dim // 2]), dim=-1)
             query_key = query_key * cos + rotated * sin
             values = qkv[:, keys_end:].view(tokens, kv_heads, dim)
-            attended = self._attend(index, query_key[:, :heads], query_key[:, heads:], values, rows)
-            hidden = hidden + layer.o(attended.reshape(tokens, queries))
+            queries, keys = query_key[:, :heads], query_key[:, heads:]
+            attended = self._attend(index, queries, keys, values, memory)
+            hidden = hidden + layer.o(attended.reshape(tokens, width))
             normed = F.rms_norm(hidden, shape, layer.post_norm, self.eps)
             gate_up = layer.gate_up(normed)
             gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
@@ -237,19 +264,61 @@ class Decoder:
         queries: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
-        rows: Sequence[Row],
+        memory: StepMemory,
     ) -> torch.Tensor:
         """Each row's new keys and values (``[tokens, kv_heads, head_dim]``)
-        stored, then its queries (``[tokens, heads, head_dim]``) attending
-        over its own tokens; ``[tokens, heads, head_dim]``."""
+        stored in its slot, then its queries (``[tokens, heads, head_dim]``)
+        attending over its slot's tokens; ``[tokens, heads, head_dim]``."""
+        stored_keys, stored_values = memory.keys[layer], memory.values[layer]
         outputs = []
-        for row in rows:
-            row.new_keys[layer].copy_(keys[row.begin : row.end].transpose(0, 1))
-            row.new_values[layer].copy_(values[row.begin : row.end].transpose(0, 1))
-            query = queries[row.begin : row.end].transpose(0, 1)[None]
-            output = self._kernel(query, row.keys[layer], row.values[layer], row.mask)
+        decoding = memory.decoding
+        if decoding is not None:
+            rows, where = decoding.rows, (decoding.slots, decoding.positions)
+            stored_keys.transpose(1, 2).index_put_(where, keys[:rows])
+            stored_values.transpose(1, 2).index_put_(where, values[:rows])
+            outputs.append(self._decode(queries[:rows], stored_keys, stored_values, decoding))
+        for span in memory.spans:
+            stop = span.start + span.end - span.begin
+            slot = slice(span.slot, span.slot + 1)
+            new_keys = keys[span.begin : span.end].transpose(0, 1)
+            stored_keys[span.slot, :, span.start : stop] = new_keys
+            stored_values[span.slot, :, span.start : stop] = values[
+                span.begin : span.end
+            ].transpose(0, 1)
+            query = queries[span.begin : span.end].transpose(0, 1)[None]
+            output = self._kernel(
+                query, stored_keys[slot, :, :stop], stored_values[slot, :, :stop], span.mask
+            )
             outputs.append(output[0].transpose(0, 1))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+    def _decode(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        decoding: Decoding,
+    ) -> torch.Tensor:
+        """The decoding rows' queries (``[rows, heads, head_dim]``) over their
+        slots (``keys``, ``values``: a layer's ``[slots, kv_heads, capacity,
+        head_dim]``), in one call: each slot's query heads grouped by the
+        key/value head they share, as one query of ``groups`` tokens (what
+        transformers' ``pack_gqa`` does for one token), attending over the
+        slots' first ``length`` tokens."""
+        slots, length = decoding.slot_count, decoding.length
+        if decoding.in_order:
+            grouped = queries
+        else:  # rows only in some slots: the others' queries are zeros, their outputs dropped
+            grouped = queries.new_zeros((slots, self.heads, self.head_dim))
+            grouped.index_copy_(0, decoding.slots, queries)
+        output = F.scaled_dot_product_attention(
+            grouped.view(slots, self.kv_heads, self.groups, self.head_dim),
+            keys[:slots, :, :length],
+            values[:slots, :, :length],
+            attn_mask=decoding.mask,
+            scale=self.scaling,
+        ).view(slots, self.heads, self.head_dim)
+        return output if decoding.in_order else output.index_select(0, decoding.slots)
 
     def _kernel(
         self,

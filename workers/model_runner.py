@@ -10,16 +10,9 @@ How a step runs: the chunks of the plan (a decoding row's one token, a
 prompt's chunk) are packed end to end into one sequence and go through the
 model in one forward pass, so every weight is read once per step whatever
 the mix, and no padding is computed. Attention is the one part that must
-tell the requests apart: each chunk is a ``decoder.Row``, its slice of the
-sequence and views of its request's memory (``KVStore``), where its keys
-and values are stored and over which its queries attend.
-
-Each request's keys and values live in one tensor pair of its own
-(``[layers, kv_heads, capacity, head_dim]``), grown ``GROW_TOKENS`` at a
-time: a row's attention reads a slice of it, never a gathered copy. A
-finished request's memory becomes a prefix-cache entry as it is (no copy);
-a request that starts with a cached prefix, or with what a running request
-has computed, gets a copy of that prefix.
+tell the requests apart: each request holds a slot of the keys and values
+(``kv_cache``), the rows of one token attend together over their slots
+(``decoder.Decoding``) and a prompt's chunk over its own (``decoder.Span``).
 """
 
 from __future__ import annotations
@@ -31,98 +24,11 @@ from dataclasses import dataclass, field
 import torch
 import xgrammar as xgr
 
-from .decoder import Decoder, Row
-from .scheduler import Adopt, Chunk, MemoryOp, Release, Request, Share, StepPlan
+from .decoder import Decoder, Decoding, Span, StepMemory
+from .kv_cache import KVCache
+from .scheduler import Chunk, MemoryOp, Request, StepPlan
 
 log = logging.getLogger(__name__)
-
-# Memory is grown this many tokens at a time: a generation of n tokens is
-# copied n / GROW_TOKENS times, and holds at most this many tokens unused.
-GROW_TOKENS = 256
-
-
-@dataclass(eq=False)
-class KV:
-    """One request's (or cache entry's) keys and values, all layers."""
-
-    keys: torch.Tensor  # [layers, kv_heads, capacity, head_dim]
-    values: torch.Tensor
-
-    @property
-    def capacity(self) -> int:
-        return int(self.keys.shape[2])
-
-
-class KVStore:
-    """The memory of the requests being run and of the prefix cache's entries."""
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:  # fmt: skip
-        self.shape = (layers, kv_heads, 0, head_dim)
-        self.dtype = dtype
-        self.device = device
-        self.requests: dict[int, KV] = {}
-        self.entries: dict[int, KV] = {}
-        self.allocated_tokens = 0  # the capacity of all the tensors above
-        self.peak_allocated_tokens = 0
-
-    def _new(self, capacity: int) -> KV:
-        layers, heads, _, dim = self.shape
-        capacity = -(-capacity // GROW_TOKENS) * GROW_TOKENS
-        size = (layers, heads, capacity, dim)
-        self.allocated_tokens += capacity
-        self.peak_allocated_tokens = max(self.peak_allocated_tokens, self.allocated_tokens)
-        return KV(
-            torch.empty(size, dtype=self.dtype, device=self.device),
-            torch.empty(size, dtype=self.dtype, device=self.device),
-        )
-
-    def room(self, request_id: int, tokens: int, keep: int) -> KV:
-        """The memory of ``request_id`` with room for ``tokens``, its first ``keep`` kept."""
-        kv = self.requests.get(request_id)
-        if kv is not None and kv.capacity >= tokens:
-            return kv
-        grown = self._new(max(tokens, (kv.capacity if kv else 0) + GROW_TOKENS))
-        if kv is not None:
-            grown.keys[:, :, :keep] = kv.keys[:, :, :keep]
-            grown.values[:, :, :keep] = kv.values[:, :, :keep]
-            self.allocated_tokens -= kv.capacity
-        self.requests[request_id] = grown
-        return grown
-
-    def apply(self, op: MemoryOp) -> None:
-        if isinstance(op, Adopt | Share):
-            source = (
-                self.entries[op.entry_id] if isinstance(op, Adopt) else self.requests[op.source_id]
-            )
-            kv = self.requests[op.request_id] = self._new(op.room)
-            kv.keys[:, :, : op.tokens] = source.keys[:, :, : op.tokens]
-            kv.values[:, :, : op.tokens] = source.values[:, :, : op.tokens]
-        elif isinstance(op, Release):
-            released = self.requests.pop(op.request_id, None)
-            if op.entry_id is not None and released is not None:
-                self.entries[op.entry_id] = released
-            elif released is not None:
-                self.allocated_tokens -= released.capacity
-        else:
-            evicted = self.entries.pop(op.entry_id, None)
-            if evicted is not None:
-                self.allocated_tokens -= evicted.capacity
-
-
-def _row(kv: KV, start: int, begin: int, end: int, mask: torch.Tensor | None) -> Row:
-    """A chunk's ``Row``: positions ``start`` on of its request's memory ``kv``,
-    at ``begin:end`` of the step's sequence."""
-    stop = start + end - begin
-    return Row(
-        begin,
-        end,
-        mask,
-        kv.keys[:, :, start:stop],
-        kv.values[:, :, start:stop],
-        kv.keys[:, None, :, :stop],
-        kv.values[:, None, :, :stop],
-    )
 
 
 @dataclass
@@ -154,8 +60,13 @@ class ModelRunner:
         self.decoder = decoder
         self.device = decoder.device
         self.vocab_size = decoder.vocab_size
-        self.store = KVStore(
-            decoder.num_layers, decoder.kv_heads, decoder.head_dim, decoder.dtype, self.device
+        self.memory = KVCache(
+            decoder.num_layers,
+            decoder.kv_heads,
+            decoder.head_dim,
+            decoder.dtype,
+            self.device,
+            max_slots=max_batch,
         )
         self._bitmask = xgr.allocate_token_bitmask(max_batch, self.vocab_size)
 
@@ -163,7 +74,7 @@ class ModelRunner:
         """Move memory as the scheduler decided: copy cached or running
         prefixes, keep or free what ended requests held, evict cache entries."""
         for op in memory_ops:
-            self.store.apply(op)
+            self.memory.apply(op)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Apply the plan's memory operations, compute its chunks, and sample
@@ -173,25 +84,22 @@ class ModelRunner:
         chunks = [chunk for chunk in plan.chunks if self._start_matcher(chunk, failed)]
         if not chunks:
             return StepResult({}, failed)
+        # The rows of one token first: they attend together (``Decoding``).
+        chunks.sort(key=lambda chunk: len(chunk.token_ids) > 1)
         sampling = [chunk for chunk in chunks if chunk.sample]
-        rows: list[Row] = []
         ids: list[int] = []
         positions: list[int] = []
         last: list[int] = []
         for chunk in chunks:
-            begin = len(ids)
             ids += chunk.token_ids
             positions += range(chunk.start, chunk.start + len(chunk.token_ids))
-            stop = chunk.start + len(chunk.token_ids)
-            kv = self.store.room(chunk.request.id, stop, chunk.start)
-            rows.append(_row(kv, chunk.start, begin, len(ids), self._mask(chunk)))
             if chunk.sample:
                 last.append(len(ids) - 1)
         device = self.device
         logits = self.decoder.forward(
             torch.tensor(ids, device=device),
             torch.tensor(positions, device=device),
-            rows,
+            self._memory(chunks),
             torch.tensor(last, dtype=torch.long, device=device),
         )
         if not sampling:
@@ -210,6 +118,51 @@ class ModelRunner:
             else:
                 sampled[request.id] = token_id
         return StepResult(sampled, failed)
+
+    def _memory(self, chunks: list[Chunk]) -> StepMemory:
+        """Each chunk's slot, with room for its tokens, and how the step's rows
+        attend: the rows of one token together while the slots they read,
+        padded to the longest, hold at most twice their tokens (and under the
+        ``sdpa`` kernel), every other chunk alone."""
+        memory = self.memory
+        slots = [memory.room(c.request.id, c.start + len(c.token_ids)) for c in chunks]
+        single = 0
+        if self.decoder.kernel == "sdpa":
+            single = next((i for i, c in enumerate(chunks) if len(c.token_ids) > 1), len(chunks))
+        decoding = None
+        if single:
+            lengths = [c.start + 1 for c in chunks[:single]]
+            slot_count, length = max(slots[:single]) + 1, max(lengths)
+            if slot_count * length <= 2 * sum(lengths):
+                decoding = self._decoding(slots[:single], lengths, slot_count, length)
+            else:
+                single = 0
+        spans, begin = [], single
+        for chunk, slot in zip(chunks[single:], slots[single:], strict=True):
+            end = begin + len(chunk.token_ids)
+            spans.append(Span(begin, end, slot, chunk.start, self._mask(chunk)))
+            begin = end
+        return StepMemory(memory.keys, memory.values, decoding, spans)
+
+    def _decoding(self, slots: list[int], lengths: list[int], slot_count: int,
+                  length: int) -> Decoding:  # fmt: skip
+        device = self.device
+        in_order = slots == list(range(slot_count))
+        mask = None
+        if not in_order or min(lengths) < length:
+            seen = torch.ones(slot_count, dtype=torch.long, device=device)
+            seen[slots] = torch.tensor(lengths, device=device)
+            visible = torch.arange(length, device=device)[None, :] < seen[:, None]
+            mask = visible[:, None, None, :]
+        return Decoding(
+            rows=len(slots),
+            slots=torch.tensor(slots, device=device),
+            positions=torch.tensor([n - 1 for n in lengths], device=device),
+            slot_count=slot_count,
+            length=length,
+            mask=mask,
+            in_order=in_order,
+        )
 
     def _mask(self, chunk: Chunk) -> torch.Tensor | None:
         """What a chunk's queries may see of its request's tokens: all before
