@@ -2,17 +2,18 @@
 
     .venv/bin/python bench/greedy_parity.py [--tokens 128]
 
-The engine runs the model as the worker loads it (``workers.loading``:
-linear layers packed for oneDNN on a CPU, per-row attention, prompts and
-decoding rows in one forward pass), 9 requests submitted at once (8 rows
-at a time). The eager path is
-the same weights loaded with transformers' own layers (``linear =
-"torch"``), one request at a time through ``model.generate``
-(``workers.engine.generate``). Both greedy, ``--tokens`` tokens. For every
-prompt: equal token for token, or where the answers part, with the eager
-model's logits there: the gap between its token and the engine's, and
-between its two best tokens. A report, not a verdict: a faster kernel adds
-its products in another order, and a near tie may then tip the other way.
+The engine runs the model as the worker loads it (``workers.loading``: its
+own forward pass, ``workers.decoder``, with the linear layers packed for
+oneDNN and transposed on a CPU; the decoding rows attending together;
+prompts and decoding rows in one forward pass), 9 requests submitted at
+once (8 rows at a time). The eager path is the same weights through
+transformers' own modules and ``F.linear`` (``linear = "torch"``), one
+request at a time through ``model.generate`` (``workers.engine.generate``).
+Both greedy, ``--tokens`` tokens. For every prompt: equal token for token,
+or where the answers part, with the eager model's logits there: the gap
+between its token and the engine's, and between its two best tokens. A
+report, not a verdict: a faster kernel adds its products in another order,
+and a near tie may then tip the other way.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def main() -> int:
     spec = get_model(MODEL)
     served = load_model(spec)
     eager = load_model(dataclasses.replace(spec, linear="torch"))
-    print(f"engine: {type(served.model.lm_head).__name__} layers; eager: "
-          f"{type(eager.model.lm_head).__name__} layers; {args.tokens} tokens, greedy")  # fmt: skip
+    print(f"engine: {served.spec.linear} linear layers; eager: transformers' modules, "
+          f"{eager.spec.linear} linear layers; {args.tokens} tokens, greedy")  # fmt: skip
     texts = [PROMPT, *QUESTIONS]  # bench_vllm's prompt, then bench_engines' 8
     inputs = [prompt_ids(served, text) for text in texts]
     sampling = engine.Sampling(max_new_tokens=args.tokens, temperature=0)

@@ -22,7 +22,7 @@ from generation.tokens import prompt_tokenizer
 from workers import constraints, engine
 from workers.batching import BatchingEngine, Generation, engine_for
 from workers.linear import Product, can_pack
-from workers.loading import engine_threads, load_model
+from workers.loading import engine_threads, load_model, product_threads
 
 PERSON = {
     "type": "object",
@@ -407,6 +407,10 @@ def test_an_engine_on_a_cpu_steps_on_every_core_but_one(lm, requests):
     assert lm.threads == max(1, available - 1)
     assert engine_threads(dataclasses.replace(lm.spec, cpu_threads=3), "cpu", available) == 3
     assert engine_threads(lm.spec, "cuda", available) == 0
+    # Its products of several rows run on every core (workers.linear).
+    assert lm.product_threads == available
+    assert product_threads(dataclasses.replace(lm.spec, cpu_threads=3), "cpu", available) == 3
+    assert product_threads(lm.spec, "cuda", available) == 0
     threads: list[int] = []
     counting = BatchingEngine(lm, max_batch=2)
     try:
@@ -432,7 +436,35 @@ def test_an_engine_sharing_its_cores_steps_on_half_its_threads(lm, requests):
         assert gen.wait(120) and gen.token_ids == alone[:4]
     finally:
         sharing.close(timeout=60)
-    assert threads == [max(1, torch.get_num_threads() // 2)] * 4
+    half = max(1, torch.get_num_threads() // 2)
+    assert threads == [half] * 4
+    assert sharing.runner.product_threads == min(lm.product_threads or half, half)
+
+
+class ThreadsProbe(Product):
+    """A product that records the OpenMP threads it computes on."""
+
+    seen: list[int]
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch.get_num_threads())
+        return super()._product(x)
+
+
+def test_a_product_of_several_rows_runs_on_the_threads_it_is_given():
+    linear = torch.nn.Linear(64, 32)
+    probe = ThreadsProbe(linear.weight.detach(), linear.bias.detach(), "torch")
+    probe.seen = []
+    caller = torch.get_num_threads()
+    with torch.inference_mode():
+        for rows, threads in ((1, 3), (4, 3), (4, 0)):
+            x = torch.randn(rows, 64)
+            assert torch.equal(
+                probe(x, threads), torch.nn.functional.linear(x, linear.weight, linear.bias)
+            )
+            assert torch.get_num_threads() == caller
+    # One row on the caller's threads, several on the threads given, or the caller's without.
+    assert probe.seen == [caller, 3, caller]
 
 
 def test_a_request_without_room_is_preempted_and_its_resume_continues_exactly(lm, requests):

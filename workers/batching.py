@@ -196,7 +196,7 @@ class BatchingEngine:
             chunk_tokens=chunk_tokens or lm.chunk_tokens,
             prefix_cache=spec.prefix_cache if prefix_cache is None else prefix_cache,
         )
-        self.runner = ModelRunner(lm.decoder, max_batch)
+        self.runner = ModelRunner(lm.decoder, max_batch, lm.product_threads)
         self._ids = itertools.count(1)
         self._inbox: collections.deque[Request] = collections.deque()
         self._generations: dict[int, tuple[Generation, TokenCallback | None]] = {}
@@ -299,13 +299,14 @@ class BatchingEngine:
             self._wakeup.notify()
 
     def share_cores(self) -> None:
-        """Run the next steps on at most half the machine's threads (at least
-        one): a worker told to stop keeps generating while its successor
-        starts, often on the same machine, and every stream it hands over
-        waits for that start (imports, weights), which steps on every core
-        slowed by half (9.2 s instead of 13.0 beside a one-thread rather than
-        a two-thread load, on the 2-core CPU). Thread counts are per thread:
-        the engine's own sets it."""
+        """Run the next steps, their products of several rows included, on at
+        most half the machine's threads (at least one): a worker told to stop
+        keeps generating while its successor starts, often on the same
+        machine, and every stream it hands over waits for that start
+        (imports, weights), which steps on every core slowed by half (9.2 s
+        instead of 13.0 beside a one-thread rather than a two-thread load, on
+        the 2-core CPU). Thread counts are per thread: the engine's own sets
+        it."""
         with self._wakeup:
             self._sharing_cores = True
             self._wakeup.notify()
@@ -338,6 +339,7 @@ class BatchingEngine:
                 if self._sharing_cores and not self._cores_shared:
                     half = max(1, self._process_threads // 2)
                     torch.set_num_threads(min(torch.get_num_threads(), half))
+                    self.runner.product_threads = min(self.runner.product_threads or half, half)
                     self._cores_shared = True
                 self._abort_cancelled()
                 if self._draining:

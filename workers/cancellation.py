@@ -56,7 +56,8 @@ class CancelWatch:
     def _listen(self) -> None:
         backoff = 0.2
         while True:
-            pubsub = redis_client().pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+            # Untyped before redis 8.2: ignored there, and not an unused ignore since.
+            pubsub = redis_client().pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call,unused-ignore]
             try:
                 pubsub.subscribe(CANCEL_CHANNEL)
                 backoff = 0.2

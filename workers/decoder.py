@@ -61,7 +61,10 @@ def kv_bytes_per_token(config: PretrainedConfig, dtype_bytes: int) -> int:
 def unsupported(config: PretrainedConfig) -> str | None:
     """Why the engine cannot run a model of ``config``, or None when it can."""
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:  # Mistral: a window, when it has one, in every layer
+        windowed = getattr(config, "sliding_window", None) is not None
+        layer_types = ["sliding_attention" if windowed else "full_attention"]
     if config.model_type not in ARCHITECTURES:
         return f"architecture {config.model_type!r} (the engine runs {', '.join(ARCHITECTURES)})"
     if getattr(config, "hidden_act", "silu") != "silu":
@@ -220,11 +223,18 @@ class Decoder:
         )
 
     def forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, memory: StepMemory, last: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        memory: StepMemory,
+        last: torch.Tensor,
+        product_threads: int = 0,
     ) -> torch.Tensor:
         """The logits (``[len(last), vocab]``) after the tokens at indices
         ``last`` of the packed sequence ``ids`` (at ``positions``), each row
-        storing its keys and values in ``memory`` and attending over its own."""
+        storing its keys and values in ``memory`` and attending over its own;
+        products of several rows on ``product_threads`` OpenMP threads
+        (``workers.linear``; 0: the caller's count)."""
         tokens = ids.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         width = heads * dim  # of the queries, and of attention's output
@@ -236,7 +246,7 @@ class Decoder:
         shape = (self.hidden_size,)
         for index, layer in enumerate(self.layers):
             normed = F.rms_norm(hidden, shape, layer.input_norm, self.eps)
-            qkv = layer.qkv(normed)
+            qkv = layer.qkv(normed, product_threads)
             query_key = qkv[:, :keys_end].view(tokens, heads + kv_heads, dim)
             if layer.q_norm is not None and layer.k_norm is not None:
                 query_key = torch.cat(
@@ -251,12 +261,12 @@ class Decoder:
             values = qkv[:, keys_end:].view(tokens, kv_heads, dim)
             queries, keys = query_key[:, :heads], query_key[:, heads:]
             attended = self._attend(index, queries, keys, values, memory)
-            hidden = hidden + layer.o(attended.reshape(tokens, width))
+            hidden = hidden + layer.o(attended.reshape(tokens, width), product_threads)
             normed = F.rms_norm(hidden, shape, layer.post_norm, self.eps)
-            gate_up = layer.gate_up(normed)
+            gate_up = layer.gate_up(normed, product_threads)
             gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-            hidden = hidden + layer.down(F.silu(gate) * up)
-        return self.head(F.rms_norm(hidden[last], shape, self.norm, self.eps))
+            hidden = hidden + layer.down(F.silu(gate) * up, product_threads)
+        return self.head(F.rms_norm(hidden[last], shape, self.norm, self.eps), product_threads)
 
     def _attend(
         self,

@@ -115,9 +115,9 @@ class KVCache:
             self.keys[:, slot, :, : op.tokens] = keys
             self.values[:, slot, :, : op.tokens] = values
         elif isinstance(op, Release):
-            slot = self.slot_of.pop(op.request_id, None)
-            if slot is None:  # it ended before any of its tokens was computed
+            if op.request_id not in self.slot_of:  # it ended before any token was computed
                 return
+            slot = self.slot_of.pop(op.request_id)
             if op.entry_id is not None:
                 self.entries[op.entry_id] = Entry(
                     self.keys[:, slot, :, : op.tokens].clone(),

@@ -23,6 +23,16 @@ copies, 1.6 GB for SmolLM2-135M. ``packed`` holds them packed alone beside
 the model's own; ``torch`` computes with ``F.linear`` over the model's own
 weights, the only choice on a GPU and in other dtypes.
 
+A product of several rows is long enough (0.3 ms for 8 rows of SmolLM2's
+gate and up) that a core shared with the rest of the service still helps
+it: its threads split it evenly, so a busy second core makes it no slower
+than one thread would, and an idle one makes it up to twice as fast. The
+engine (``batching``) runs such products on every core and the rest of a
+step on one core fewer; 8 streams through the service took 48.3-51.5 ms a
+token against 55.7-56.9 (bench/README.md). Small operations stay on fewer
+threads: their parallel regions cost more than they save, and wait for
+whichever thread the other processes delayed.
+
 Each layout adds a product's terms in its own order, so logits move in their
 last bits (at most 1e-4 here); ``bench/greedy_parity.py`` compares the greedy
 answers with those of transformers' own layers.
@@ -59,7 +69,19 @@ class Product:
         self.packed = _pack(weight, None) if layout != "torch" else None
         self.transposed = weight.t().contiguous() if layout == "auto" else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, threads: int = 0) -> torch.Tensor:
+        """The product over ``x``; one of several rows on ``threads`` OpenMP
+        threads where given, on the caller's count otherwise."""
+        if threads and x.shape[0] > 1:
+            caller = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                return self._product(x)
+            finally:
+                torch.set_num_threads(caller)
+        return self._product(x)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.transposed is not None and x.shape[0] == 1:
             if self.bias is None:
                 return torch.mm(x, self.transposed)

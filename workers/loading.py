@@ -42,6 +42,7 @@ class LoadedModel:
     token_budget: int = 0  # tokens of keys and values its engine may hold
     chunk_tokens: int = 0  # prompt tokens its engine computes per step
     threads: int = 0  # OpenMP threads of its engine's steps (0: torch's own count)
+    product_threads: int = 0  # ... of a step's products of several rows (workers.linear)
 
     @functools.cached_property
     def eos_token_ids(self) -> set[int]:
@@ -82,6 +83,15 @@ def engine_threads(spec: ModelSpec, device_type: str, available: int) -> int:
     if device_type != "cpu":
         return 0
     return spec.cpu_threads or max(1, available - 1)
+
+
+def product_threads(spec: ModelSpec, device_type: str, available: int) -> int:
+    """OpenMP threads for the engine's products of several rows on a CPU
+    (``workers.linear``): every core, the one left to the rest of the service
+    too, unless ``cpu_threads`` says otherwise; 0 on a GPU."""
+    if device_type != "cpu":
+        return 0
+    return spec.cpu_threads or available
 
 
 def linear_layers(layout: str) -> str:
@@ -139,11 +149,16 @@ def load_model(spec: ModelSpec) -> LoadedModel:
             )  # fmt: skip
     elif not budget:
         budget = CPU_BUDGET_CONTEXTS * spec.context_window
-    threads = engine_threads(spec, device.type, torch.get_num_threads())
+    available = torch.get_num_threads()
+    threads = engine_threads(spec, device.type, available)
+    products = product_threads(spec, device.type, available)
     log.info(
         "Loaded %s on %s (%s, %s attention, %s linear layers, %s): %d tokens of keys and "
         "values, prompts in chunks of %d",
         spec.id, device, dtype, spec.attention, linear_layers(layout),
-        f"{threads} engine threads" if threads else "torch's threads", budget, chunk_tokens,
+        f"{threads} engine threads, {products} for products of several rows"
+        if threads else "torch's threads", budget, chunk_tokens,
     )  # fmt: skip
-    return LoadedModel(spec, model, decoder, load_tokenizer(spec), budget, chunk_tokens, threads)
+    return LoadedModel(
+        spec, model, decoder, load_tokenizer(spec), budget, chunk_tokens, threads, products
+    )

@@ -56,8 +56,10 @@ class StepResult:
 class ModelRunner:
     """Runs plans on one loaded model."""
 
-    def __init__(self, decoder: Decoder, max_batch: int) -> None:
+    def __init__(self, decoder: Decoder, max_batch: int, product_threads: int = 0) -> None:
         self.decoder = decoder
+        # OpenMP threads of a step's products of several rows (0: the caller's count).
+        self.product_threads = product_threads
         self.device = decoder.device
         self.vocab_size = decoder.vocab_size
         self.memory = KVCache(
@@ -101,6 +103,7 @@ class ModelRunner:
             torch.tensor(positions, device=device),
             self._memory(chunks),
             torch.tensor(last, dtype=torch.long, device=device),
+            self.product_threads,
         )
         if not sampling:
             return StepResult({}, failed)
