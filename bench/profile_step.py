@@ -2,13 +2,14 @@
 
     .venv/bin/python bench/profile_step.py [--rows 1 8] [--steps 30] [--context 200]
 
-Loads the model as the worker does (``workers.loading``), puts ``--rows``
-requests of a ``--context``-token prompt into a ``ModelRunner``, and times
-decoding steps (one token per row) three ways, each the median of
-``--steps`` steps:
+Loads the model as the worker does (``workers.loading``), runs on the
+engine's threads (every core but one, and every core for its products of
+several rows: ``workers.linear``), puts ``--rows`` requests of a
+``--context``-token prompt into a ``ModelRunner``, and times decoding steps
+(one token per row) three ways, each the median of ``--steps`` steps:
 
 - the runner's whole step (``ModelRunner.execute``: packing, the forward
-  pass with per-row attention, sampling);
+  pass with the rows attending together, sampling);
 - transformers' own forward pass over the same rows, as it runs a batch
   with its own cache (``DynamicCache``, left-padded rows): what eager
   transformers costs, with no engine around it;
@@ -73,8 +74,11 @@ def main() -> int:
     from workers.loading import load_model
 
     lm = load_model(dataclasses.replace(get_model(MODEL), linear=args.linear))
+    if lm.threads:  # as the engine's thread runs its steps
+        torch.set_num_threads(lm.threads)
     print(
-        f"{MODEL}: {lm.model.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+        f"{MODEL}: {lm.model.dtype}, {torch.get_num_threads()} threads, "
+        f"{lm.product_threads} for products of several rows, torch {torch.__version__}"
     )
     for rows in args.rows:
         with torch.inference_mode():
@@ -107,7 +111,7 @@ class Steps:
         from workers.scheduler import Chunk, Request
 
         model = self.model = lm.model
-        self.runner = ModelRunner(lm.decoder, max_batch=max_batch)
+        self.runner = ModelRunner(lm.decoder, max_batch, lm.product_threads)
         self.requests = [
             Request(
                 id=n,
@@ -161,7 +165,7 @@ class Steps:
 
     def linear_layers(self) -> None:
         for product, x in self.products:
-            product(x)
+            product(x, self.runner.product_threads)
 
 
 def _plan(chunks: list) -> object:  # noqa: ANN001 - a StepPlan
