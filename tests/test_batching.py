@@ -125,6 +125,19 @@ def greedy(limit: int) -> engine.Sampling:
     return engine.Sampling(max_new_tokens=limit, temperature=0)
 
 
+def answered_together(lm, requests, **options) -> list[Generation]:  # noqa: ANN001
+    """``requests`` (prompt ids, limit, ...) submitted at once to an engine of
+    their own (``options``: the engine's), each finished."""
+    running = BatchingEngine(lm, max_batch=8, **options)
+    try:
+        gens = [running.submit(ids, greedy(limit)) for ids, limit, *_ in requests]
+        for gen in gens:
+            assert gen.wait(300)
+    finally:
+        running.close(timeout=60)
+    return gens
+
+
 def test_eight_concurrent_greedy_requests_equal_their_solo_outputs(lm, requests, batching):
     gens = [batching.submit(ids, greedy(limit)) for ids, limit, _ in requests]
     for gen in gens:
@@ -496,13 +509,7 @@ def test_the_eager_kernel_batches_as_the_sdpa_one(lm, requests):
     eager_lm = load_model(dataclasses.replace(lm.spec, attention="eager"))
     assert eager_lm.model.config._attn_implementation == "eager"
     assert eager_lm.decoder.kernel == "eager"
-    eager = BatchingEngine(eager_lm, max_batch=8, chunk_tokens=16)
-    try:
-        gens = [eager.submit(ids, greedy(limit)) for ids, limit, _ in requests[:3]]
-        for gen in gens:
-            assert gen.wait(300)
-    finally:
-        eager.close(timeout=60)
+    gens = answered_together(eager_lm, requests[:3], chunk_tokens=16)
     for (ids, limit, _), gen in zip(requests[:3], gens, strict=True):
         assert gen.error is None
         assert gen.token_ids == generate_alone(eager_lm, ids, limit)
@@ -519,13 +526,7 @@ def test_packed_linear_layers_answer_as_transformers_own(lm, requests):
     assert type(plain.model.lm_head) is torch.nn.Linear
     products = [plain.decoder.head] + [layer.qkv for layer in plain.decoder.layers]
     assert all(p.packed is None and p.transposed is None for p in products)
-    served = BatchingEngine(lm, max_batch=8)
-    try:
-        gens = [served.submit(ids, greedy(limit)) for ids, limit, _ in requests]
-        for gen in gens:
-            assert gen.wait(300)
-    finally:
-        served.close(timeout=60)
+    gens = answered_together(lm, requests)
     for (ids, limit, _), gen in zip(requests, gens, strict=True):
         assert_same(plain, ids, generate_alone(plain, ids, limit), gen)
     # Insisting where it cannot pack is refused before any weight is read.
@@ -558,12 +559,6 @@ def test_a_step_of_one_row_reads_the_transposed_weight_and_more_rows_the_packed_
     layers = packed_only.decoder.layers
     products = [packed_only.decoder.head] + [p for layer in layers for p in (layer.qkv, layer.down)]
     assert all(p.packed is not None and p.transposed is None for p in products)
-    engine_packed = BatchingEngine(packed_only, max_batch=8)
-    try:
-        gens = [engine_packed.submit(ids, greedy(limit)) for ids, limit, _ in requests]
-        for gen in gens:
-            assert gen.wait(300)
-    finally:
-        engine_packed.close(timeout=60)
+    gens = answered_together(packed_only, requests)
     for (ids, _, alone), gen in zip(requests, gens, strict=True):
         assert_same(packed_only, ids, alone, gen)
