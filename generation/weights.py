@@ -26,6 +26,18 @@ log = logging.getLogger(__name__)
 READY_MARKER = ".lmsp-ready"
 
 
+def _converted(spec: ModelSpec) -> Path:
+    return Path(settings.LMSP_MODEL_CACHE) / spec.slug
+
+
+def is_ready(spec: ModelSpec) -> bool:
+    """Whether ``weights_folder`` would answer at once (nothing to convert)."""
+    source = spec.source_location()
+    if source is None or spec.source == "folder":
+        return source is not None
+    return (_converted(spec) / READY_MARKER).exists()
+
+
 def weights_folder(spec: ModelSpec) -> Path:
     """A folder ``from_pretrained`` loads quickly, converting a GGUF file once."""
     source = spec.source_location()
@@ -33,7 +45,7 @@ def weights_folder(spec: ModelSpec) -> Path:
         raise FileNotFoundError(f"The weights of {spec.id} are not on this machine.")
     if spec.source == "folder":
         return source
-    target = Path(settings.LMSP_MODEL_CACHE) / spec.slug
+    target = _converted(spec)
     if (target / READY_MARKER).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

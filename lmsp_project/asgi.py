@@ -23,7 +23,7 @@ django_application = get_asgi_application()
 
 from django.conf import settings  # noqa: E402
 
-from generation.tokens import import_renderer  # noqa: E402
+from generation.tokens import import_renderer, load_ready_tokenizers  # noqa: E402
 from lmsp_core.asgi import ASGIApp, BoundedBody  # noqa: E402 - needs the settings configured
 from lmsp_core.lean import LeanViews  # noqa: E402
 from openai_app import views as openai_views  # noqa: E402
@@ -41,8 +41,9 @@ LEAN_VIEWS = {
     openai_views.chat_completions: "POST",  # /v1/chat/completions
 }
 
-# Imported now, not in the first request that renders a prompt (seconds).
+# Imported and loaded now, not in the first request that renders a prompt.
 import_renderer()
+load_ready_tokenizers()
 
 # Django's handler takes the ASGI mappings as mappings (django-stubs).
 bounded = BoundedBody(cast(ASGIApp, django_application), shapes={"/v1/": error_body})
