@@ -23,15 +23,18 @@ copies, 1.6 GB for SmolLM2-135M. ``packed`` holds them packed alone beside
 the model's own; ``torch`` computes with ``F.linear`` over the model's own
 weights, the only choice on a GPU and in other dtypes.
 
-A product of several rows is long enough (0.3 ms for 8 rows of SmolLM2's
-gate and up) that a core shared with the rest of the service still helps
-it: its threads split it evenly, so a busy second core makes it no slower
-than one thread would, and an idle one makes it up to twice as fast. The
-engine (``batching``) runs such products on every core and the rest of a
-step on one core fewer; 8 streams through the service took 48.3-51.5 ms a
-token against 55.7-56.9 (bench/README.md). Small operations stay on fewer
-threads: their parallel regions cost more than they save, and wait for
-whichever thread the other processes delayed.
+A large product of several rows is long enough (0.3 ms for 8 rows of
+SmolLM2's gate and up) that a core shared with the rest of the service
+still helps it: its threads split it evenly, so a busy second core makes it
+no slower than one thread would, and an idle one makes it up to twice as
+fast. The engine (``batching``) runs such products on every core and the
+rest of a step on one core fewer; 8 streams through the service took
+48.3-51.5 ms a token against 55.7-56.9 (bench/README.md). A thread that
+waits between products sleeps, and waking it costs about as much as a
+small product saves: only products of ``PARALLEL_WEIGHTS`` weights or more
+are worth it (``worth_threads``). Small operations stay on fewer threads:
+their parallel regions cost more than they save, and wait for whichever
+thread the other processes delayed.
 
 Each layout adds a product's terms in its own order, so logits move in their
 last bits (at most 1e-4 here); ``bench/greedy_parity.py`` compares the greedy
@@ -43,6 +46,13 @@ from __future__ import annotations
 import torch
 
 LAYOUTS = ("auto", "packed", "torch")
+# Products of fewer weights run on the caller's threads. SmolLM2's q/k/v,
+# attention output and down products (0.3-0.9 million weights) on one
+# thread, gate/up and the output layer on two, against every product on two:
+# a step of 8 rows took from 3.5 ms less to 1.4 ms more, median 1.75 ms
+# less of about 60, in 8 runs of 120 steps each alternated step by step
+# (bench/README.md); a step of 4 rows 4.8 ms less (one run).
+PARALLEL_WEIGHTS = 1_000_000
 
 _linear_packed = torch.ops.mkldnn._linear_pointwise.default
 _pack = torch.ops.mkldnn._reorder_linear_weight
@@ -61,9 +71,11 @@ class Product:
     in ``layout`` (one of ``LAYOUTS``; ``auto`` and ``packed`` need
     ``can_pack``)."""
 
-    __slots__ = ("bias", "packed", "transposed", "weight")
+    __slots__ = ("bias", "packed", "transposed", "weight", "worth_threads")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> None:
+        # Whether a product of several rows pays for waking more threads.
+        self.worth_threads = weight.numel() >= PARALLEL_WEIGHTS
         self.bias = bias
         self.weight = weight if layout == "torch" else None
         self.packed = _pack(weight, None) if layout != "torch" else None
