@@ -158,7 +158,9 @@ class Stack:
             f"{name}-{port}",
             [*argv, "--host", "127.0.0.1", "--port", str(port), *options],
             {**self.env, **settings},
-            ready="Application startup complete",
+            # Logged once the socket listens; "Application startup complete"
+            # comes before the bind, and a request then is refused.
+            ready="Uvicorn running on",
         )
 
     def another_worker(self, name: str) -> Proc:
