@@ -28,13 +28,16 @@ SmolLM2's gate and up) that a core shared with the rest of the service
 still helps it: its threads split it evenly, so a busy second core makes it
 no slower than one thread would, and an idle one makes it up to twice as
 fast. The engine (``batching``) runs such products on every core and the
-rest of a step on one core fewer; 8 streams through the service took
-48.3-51.5 ms a token against 55.7-56.9 (bench/README.md). A thread that
-waits between products sleeps, and waking it costs about as much as a
-small product saves: only products of ``PARALLEL_WEIGHTS`` weights or more
-are worth it (``worth_threads``). Small operations stay on fewer threads:
-their parallel regions cost more than they save, and wait for whichever
-thread the other processes delayed.
+rest of a step on one core fewer; 8 streams through the service: median
+140.2 tokens/s against 127.1 with every product on one thread
+(bench/README.md). A thread that waits between products sleeps, and waking
+it costs about as much as a small product saves: only products of
+``PARALLEL_WEIGHTS`` weights or more are worth it (``worth_threads``).
+Other operations stay on fewer threads: their parallel regions cost more
+than they save, and wait for whichever thread the other processes delayed.
+That holds for the decoding rows' attention too, though its keys and values
+are out of the cache when it reads them: on two sleeping threads it took
+as long as on one.
 
 Each layout adds a product's terms in its own order, so logits move in their
 last bits (at most 1e-4 here); ``bench/greedy_parity.py`` compares the greedy
@@ -46,13 +49,14 @@ from __future__ import annotations
 import torch
 
 LAYOUTS = ("auto", "packed", "torch")
-# Products of fewer weights run on the caller's threads. SmolLM2's q/k/v,
-# attention output and down products (0.3-0.9 million weights) on one
-# thread, gate/up and the output layer on two, against every product on two:
-# a step of 8 rows took from 3.5 ms less to 1.4 ms more, median 1.75 ms
-# less of about 60, in 8 runs of 120 steps each alternated step by step
-# (bench/README.md); a step of 4 rows 4.8 ms less (one run).
-PARALLEL_WEIGHTS = 1_000_000
+# Products of fewer weights run on the caller's threads. Measured through the
+# service, 8 streams, batches alternated in one running service (a switch
+# read at every step; bench/README.md): SmolLM2's down product (0.88 million
+# weights) on two threads beside gate/up and the output layer, median 149.2
+# tokens/s against 142.4 on one (6 batches each, faster in every pair); its
+# q/k/v and attention output (0.55 and 0.33 million) on two as well, 150.0
+# against 148.0 (3 pairs of 6 faster): not worth a wake-up each.
+PARALLEL_WEIGHTS = 800_000
 
 _linear_packed = torch.ops.mkldnn._linear_pointwise.default
 _pack = torch.ops.mkldnn._reorder_linear_weight
