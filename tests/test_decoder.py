@@ -2,9 +2,13 @@
 small models of each architecture it runs, made from their configurations
 with random weights (nothing is downloaded): the same logits for a prompt
 and the decoding steps after it, alone and two requests attending together,
-in every layout of the linear layers (``workers.linear``)."""
+in every layout of the linear layers (``workers.linear``), the decoding rows
+attending through the engine's own function (``workers.decode_attention``)
+and through torch's kernel."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -43,13 +47,19 @@ FIRST = [5, 17, 3, 60, 41, 8, 22, 90, 13, 7, 55, 2]  # a prompt of 9, then 3 tok
 SECOND = [31, 4, 77, 12, 9]  # a prompt of 3, then 2 decoded beside the first
 
 
-def built(kind: str, layout: str) -> tuple[torch.nn.Module, Decoder, KVCache]:
+def built(kind: str, layout: str, decoding: str) -> tuple[torch.nn.Module, Decoder, KVCache]:
     torch.manual_seed(0)
     model = MODELS[kind]().eval()
     with torch.no_grad():
         for parameter in model.parameters():  # norms and biases not all ones and zeros
             parameter.add_(torch.randn_like(parameter) * 0.02)
     decoder = Decoder(model, layout, "sdpa")
+    if decoding == "ours":
+        if shutil.which("cc") is None and shutil.which("gcc") is None:
+            pytest.skip("no C compiler to build the decoding attention with")
+        assert decoder.decode_attention is not None
+    else:
+        decoder.decode_attention = None  # torch's kernel over padded slots
     memory = KVCache(2, 2, 16, torch.float32, torch.device("cpu"), max_slots=2)
     return model, decoder, memory
 
@@ -81,6 +91,7 @@ def decode(decoder: Decoder, memory: KVCache, rows: dict[int, tuple[int, int]]) 
         rows=len(rows),
         slots=torch.tensor(slots),
         positions=torch.tensor(positions),
+        lengths=torch.tensor(positions) + 1,
         slot_count=slot_count,
         length=length,
         mask=None if bool(mask.all()) else mask,
@@ -91,12 +102,13 @@ def decode(decoder: Decoder, memory: KVCache, rows: dict[int, tuple[int, int]]) 
     return decoder.forward(ids, torch.tensor(positions), step, torch.arange(len(rows)))
 
 
+@pytest.mark.parametrize("decoding", ["ours", "torch's"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", MODELS)
-def test_the_decoder_computes_transformers_logits(kind: str, layout: str) -> None:
+def test_the_decoder_computes_transformers_logits(kind: str, layout: str, decoding: str) -> None:
     if layout != "torch" and not can_pack(torch.device("cpu"), torch.float32):
         pytest.skip("this build of torch packs no weights")  # CPU builds with oneDNN do
-    model, decoder, memory = built(kind, layout)
+    model, decoder, memory = built(kind, layout, decoding)
     first, second = reference(model, FIRST), reference(model, SECOND)
     close = {"atol": 1e-5, "rtol": 1e-4}
     with torch.inference_mode():

@@ -24,8 +24,9 @@ new keys and values are stored in its request's slot of the memory
 (``kv_cache``) and its queries attend over that slot's tokens, with the
 kernel the model was loaded with (``sdpa`` or ``eager``, as transformers
 calls it). The decoding rows (one token each) attend together, one call per
-layer over the slots padded to the longest (``Decoding``); a prompt's chunk
-attends alone (``Span``).
+layer (``Decoding``): on a CPU in float32 through ``decode_attention``, each
+row over its own slot's tokens, elsewhere through torch's kernel over the
+slots padded to the longest; a prompt's chunk attends alone (``Span``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
+from . import decode_attention
 from .linear import Product
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -93,13 +95,16 @@ class Span:
 @dataclass(frozen=True)
 class Decoding:
     """The step's rows of one token each (decoding), first in its packed
-    sequence, attending together: over the first ``slot_count`` slots of the
-    memory and their first ``length`` tokens, ``mask`` (``[slot_count, 1, 1,
-    length]``) telling which each slot's token sees (None: all)."""
+    sequence, attending together: each row over its slot's first ``lengths``
+    tokens (``Decoder.attends_by_length``), or over the first ``slot_count``
+    slots of the memory padded to their first ``length`` tokens, ``mask``
+    (``[slot_count, 1, 1, length]``) telling which each slot's token sees
+    (None: all)."""
 
     rows: int
     slots: torch.Tensor  # each row's slot
     positions: torch.Tensor  # each row's token's position
+    lengths: torch.Tensor  # each row's tokens, its own included: positions + 1
     slot_count: int
     length: int
     mask: torch.Tensor | None
@@ -200,6 +205,9 @@ class Decoder:
                 )
             )
         self.scaling = float(decoder.layers[0].self_attn.scaling)
+        self.decode_attention = None
+        if kernel == "sdpa" and self.device.type == "cpu" and self.dtype == torch.float32:
+            self.decode_attention = decode_attention.load(self.scaling)
         self.norm = decoder.norm.weight
         # The output layer is often tied to the embedding: its weight is left
         # to both, and the product holds copies of its own where it lays it out.
@@ -208,6 +216,12 @@ class Decoder:
         self._inv_freq = rotary.inv_freq.float()
         self._rotary_scaling = float(rotary.attention_scaling)
         self._cos, self._sin = self._rotary_tables(int(config.max_position_embeddings))
+
+    @property
+    def attends_by_length(self) -> bool:
+        """Whether the decoding rows attend each over its own slot's tokens,
+        needing neither padded slots nor a mask (``Decoding``)."""
+        return self.decode_attention is not None
 
     def _rotary_tables(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary embedding's cosines and sines of every position below
@@ -323,6 +337,8 @@ class Decoder:
         key/value head they share, as one query of ``groups`` tokens (what
         transformers' ``pack_gqa`` does for one token), attending over the
         slots' first ``length`` tokens."""
+        if self.decode_attention is not None:
+            return self.decode_attention(queries, keys, values, decoding.slots, decoding.lengths)
         slots, length = decoding.slot_count, decoding.length
         if decoding.in_order:
             grouped = queries

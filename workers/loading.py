@@ -153,9 +153,11 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     threads = engine_threads(spec, device.type, available)
     products = product_threads(spec, device.type, available)
     log.info(
-        "Loaded %s on %s (%s, %s attention, %s linear layers, %s): %d tokens of keys and "
+        "Loaded %s on %s (%s, %s attention%s, %s linear layers, %s): %d tokens of keys and "
         "values, prompts in chunks of %d",
-        spec.id, device, dtype, spec.attention, linear_layers(layout),
+        spec.id, device, dtype, spec.attention,
+        " (decoding rows: workers.decode_attention)" if decoder.attends_by_length else "",
+        linear_layers(layout),
         f"{threads} engine threads, {products} for products of several rows"
         if threads else "torch's threads", budget, chunk_tokens,
     )  # fmt: skip

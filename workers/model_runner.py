@@ -124,9 +124,9 @@ class ModelRunner:
 
     def _memory(self, chunks: list[Chunk]) -> StepMemory:
         """Each chunk's slot, with room for its tokens, and how the step's rows
-        attend: the rows of one token together while the slots they read,
-        padded to the longest, hold at most twice their tokens (and under the
-        ``sdpa`` kernel), every other chunk alone."""
+        attend: the rows of one token together (under the ``sdpa`` kernel;
+        where it pads the slots to the longest, while they hold at most twice
+        the rows' tokens), every other chunk alone."""
         memory = self.memory
         slots = [memory.room(c.request.id, c.start + len(c.token_ids)) for c in chunks]
         single = 0
@@ -136,7 +136,7 @@ class ModelRunner:
         if single:
             lengths = [c.start + 1 for c in chunks[:single]]
             slot_count, length = max(slots[:single]) + 1, max(lengths)
-            if slot_count * length <= 2 * sum(lengths):
+            if self.decoder.attends_by_length or slot_count * length <= 2 * sum(lengths):
                 decoding = self._decoding(slots[:single], lengths, slot_count, length)
             else:
                 single = 0
@@ -152,7 +152,8 @@ class ModelRunner:
         device = self.device
         in_order = slots == list(range(slot_count))
         mask = None
-        if not in_order or min(lengths) < length:
+        padded = not self.decoder.attends_by_length
+        if padded and (not in_order or min(lengths) < length):
             seen = torch.ones(slot_count, dtype=torch.long, device=device)
             seen[slots] = torch.tensor(lengths, device=device)
             visible = torch.arange(length, device=device)[None, :] < seen[:, None]
@@ -161,6 +162,7 @@ class ModelRunner:
             rows=len(slots),
             slots=torch.tensor(slots, device=device),
             positions=torch.tensor([n - 1 for n in lengths], device=device),
+            lengths=torch.tensor(lengths, device=device),
             slot_count=slot_count,
             length=length,
             mask=mask,

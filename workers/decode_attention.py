@@ -1,0 +1,174 @@
+"""The decoding rows' attention on a CPU in float32, as a small C function of
+our own (``decode_attention.c``), built with the machine's C compiler the
+first time a worker needs it and called through ctypes.
+
+Why: a decoding row attends with one token's queries, so its attention is
+one pass over its keys and values, and on a CPU that pass is bound by
+reading them, cold, since the step's products have just streamed the
+weights through the cache. torch's ``scaled_dot_product_attention`` tiles
+for long queries and pays for it here: over the slots of 8 rows at context
+150, one thread, 417-431 us a layer cold against 199-217 for this function
+(bench/README.md, issue 26). It also reads each row's own tokens only, so
+the slots need neither padding to the longest nor a mask. vLLM's CPU backend
+has its own decoding attention for the same reason.
+
+Why built here rather than shipped built: it is compiled for the machine's
+own instruction set (``-march=native``), and without torch's headers it
+builds in under a second; the library is kept in ``cache_dir()`` under a
+name that changes with the source, the flags, the compiler and the CPU.
+Where there is no compiler, the build fails, or the built function does not
+give torch's answers on a small check, the engine attends with torch's
+kernel (``sdpa``), and says so once in its log.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_attention.c")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
+LINK_FLAGS = ("-lmvec", "-lm")  # glibc's vector library: the vectorized expf
+_I64, _POINTER = ctypes.c_int64, ctypes.c_void_p
+_ARGUMENTS = (_POINTER, _I64, _POINTER, _POINTER, _I64, _I64, _POINTER, _POINTER, _POINTER,
+              _I64, _I64, _I64, _I64, ctypes.c_float)  # fmt: skip
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``LMSP_KERNEL_CACHE``, else the user's cache."""
+    configured = os.environ.get("LMSP_KERNEL_CACHE")
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lmsp"
+
+
+class DecodeAttention:
+    """The built function: ``__call__`` attends each decoding row's queries over
+    its own slot's first tokens."""
+
+    def __init__(self, function: Callable[..., int], scale: float) -> None:
+        self._function = function
+        self._scale = scale
+
+    def __call__(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        slots: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> torch.Tensor:
+        """Row r's queries (``[rows, heads, head_dim]``, each row's heads
+        contiguous) over slot ``slots[r]``'s first ``lengths[r]`` tokens of
+        ``keys`` and ``values`` (one layer's ``[slots, kv_heads, capacity,
+        head_dim]``, each head's tokens contiguous); ``[rows, heads,
+        head_dim]``."""
+        rows, heads, dim = queries.shape
+        out = queries.new_empty((rows, heads, dim))
+        status = self._function(
+            queries.data_ptr(), queries.stride(0),
+            keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1),
+            slots.data_ptr(), lengths.data_ptr(),
+            out.data_ptr(), rows, heads, keys.shape[1], dim, self._scale,
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("The decoding attention could not allocate its scores.")
+        return out
+
+
+def load(scale: float) -> DecodeAttention | None:
+    """The function for a model whose attention scales by ``scale``, built if
+    needed; None where it cannot be built or fails its check."""
+    try:
+        library = ctypes.CDLL(str(_built()))
+    except (OSError, subprocess.SubprocessError) as error:
+        log.warning("Decoding attention falls back to torch's kernel: %s", error)
+        return None
+    function = library.lmsp_decode_attention
+    function.restype = ctypes.c_int
+    function.argtypes = _ARGUMENTS
+    attention = DecodeAttention(function, scale)
+    difference = _check(attention, scale)
+    if difference > 1e-4:
+        log.warning(
+            "Decoding attention falls back to torch's kernel: the built function "
+            "differs from it by %.3g on its check.",
+            difference,
+        )
+        return None
+    return attention
+
+
+def _built() -> Path:
+    """The library, built into ``cache_dir()`` unless it is there already."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (cc or gcc) on the PATH")
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
+    key = hashlib.sha256(
+        "\n".join([SOURCE.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version, _cpu_flags()]).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"decode_attention-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        obj, library = Path(scratch) / "kernel.o", Path(scratch) / "kernel.so"
+        # Two commands: -ffast-math at the link would add startup code that
+        # turns on flush-to-zero for the whole process.
+        for command in (
+            [compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+            [compiler, "-shared", str(obj), "-o", str(library), *LINK_FLAGS],
+        ):
+            done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise OSError(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
+        os.replace(library, target)  # whole, even with another worker building it too
+    return target
+
+
+def _cpu_flags() -> str:
+    """What ``-march=native`` builds for: the CPU's flags where Linux lists them."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _check(attention: DecodeAttention, scale: float) -> float:
+    """How far the function's answer is from torch's on a small random case
+    (3 rows in slots of different lengths, grouped heads)."""
+    generator = torch.Generator().manual_seed(0)
+    slots_total, kv_heads, groups, capacity, dim = 4, 2, 3, 40, 64
+    keys, values = (
+        torch.randn(slots_total, kv_heads, capacity, dim, generator=generator) for _ in "kv"
+    )
+    queries = torch.randn(3, kv_heads * groups, dim, generator=generator)
+    slots, lengths = torch.tensor([2, 0, 3]), torch.tensor([17, 40, 1])
+    ours = attention(queries, keys, values, slots, lengths)
+    worst = 0.0
+    for row, (slot, length) in enumerate(zip(slots.tolist(), lengths.tolist(), strict=True)):
+        theirs = F.scaled_dot_product_attention(
+            queries[row].view(kv_heads, groups, dim),
+            keys[slot, :, :length],
+            values[slot, :, :length],
+            scale=scale,
+        ).view(kv_heads * groups, dim)
+        worst = max(worst, float((theirs - ours[row]).abs().max()))
+    return worst
