@@ -12,6 +12,11 @@ ENV PYTHONUNBUFFERED=1 \
     LMSP_BEHIND_TLS_PROXY=0 \
     LMSP_HSTS_SECONDS=0
 WORKDIR /app
+# A C compiler: a worker builds its decoding attention for the CPU it runs on
+# (README, "The engine"); without one it falls back to torch's, slower.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 COPY . .
 RUN TORCH_INDEX_URL="https://download.pytorch.org/whl/${TORCH}" scripts/install
 ENV PATH=/app/.venv/bin:$PATH

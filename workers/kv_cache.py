@@ -13,9 +13,11 @@ room for) grows for the longest running request, by half of itself at
 least, and goes back to ``GROW_TOKENS`` when nothing runs.
 
 The price is padding: every slot has the longest request's room. What is
-held is counted as it is (``allocated_tokens``), and the decoder attends
-over padded slots only while they are at most twice the tokens they hold
-(``decoder.Decoding``); beyond that rows attend one by one over their own.
+held is counted as it is (``allocated_tokens``). The decoding rows read only
+their own tokens of it on a CPU (``decode_attention``); torch's kernel, used
+elsewhere, attends over padded slots only while they are at most twice the
+tokens they hold (``decoder.Decoding``), and beyond that rows attend one by
+one over their own.
 
 A finished request's tokens that the prefix cache keeps are copied out of
 its slot into an entry of their own size; a request that starts with a
