@@ -17,11 +17,15 @@ from workers import decode_attention
 
 
 @pytest.fixture(scope="module")
-def attention() -> decode_attention.DecodeAttention:
+def attention(tmp_path_factory: pytest.TempPathFactory) -> decode_attention.DecodeAttention:
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler to build the decoding attention with")
-    built = decode_attention.load(scale=0.125)
+    cache = tmp_path_factory.mktemp("kernels")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LMSP_KERNEL_CACHE", str(cache))  # built here, not found built
+        built = decode_attention.load(scale=0.125)
     assert built is not None  # a compiler is here: it must build and pass its check
+    assert [path.suffix for path in cache.iterdir()] == [".so"]  # the build left only the library
     return built
 
 
