@@ -2,12 +2,14 @@
 beside torch's ``scaled_dot_product_attention``: rows in slots taken out of
 order, each over its own number of tokens, query heads grouped over shared
 key/value heads in blocks of four and a remainder, at the head sizes it is
-compiled for and another; and loading it leaves the process's floating point
-as it was."""
+compiled for and another. Loading it leaves the process's floating point as
+it was; where it cannot be built, the engine keeps torch's kernel."""
 
 from __future__ import annotations
 
+import logging
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,3 +62,13 @@ def test_loading_it_leaves_subnormal_numbers_alone(
     # flush-to-zero, and torch's own arithmetic with it.
     tiny = torch.tensor([1e-39], dtype=torch.float32)
     assert float((tiny * 0.5)[0]) > 0.0
+
+
+def test_without_a_compiler_the_engine_keeps_torchs_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("LMSP_KERNEL_CACHE", str(tmp_path))  # nothing built there
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger="workers.decode_attention"):
+        assert decode_attention.load(scale=0.125) is None
+    assert "falls back to torch's kernel" in caplog.text
