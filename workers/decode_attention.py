@@ -102,7 +102,7 @@ def load(scale: float) -> DecodeAttention | None:
     function.argtypes = _ARGUMENTS
     attention = DecodeAttention(function, scale)
     difference = _check(attention, scale)
-    if difference > 1e-4:
+    if not difference <= 1e-4:  # NaN too
         log.warning(
             "Decoding attention falls back to torch's kernel: the built function "
             "differs from it by %.3g on its check.",

@@ -333,10 +333,11 @@ class Decoder:
     ) -> torch.Tensor:
         """The decoding rows' queries (``[rows, heads, head_dim]``) over their
         slots (``keys``, ``values``: a layer's ``[slots, kv_heads, capacity,
-        head_dim]``), in one call: each slot's query heads grouped by the
-        key/value head they share, as one query of ``groups`` tokens (what
-        transformers' ``pack_gqa`` does for one token), attending over the
-        slots' first ``length`` tokens."""
+        head_dim]``), in one call: through ``decode_attention`` where it is
+        loaded, each row over its own tokens; else through torch's kernel,
+        each slot's query heads grouped by the key/value head they share, as
+        one query of ``groups`` tokens (what transformers' ``pack_gqa`` does
+        for one token), attending over the slots' first ``length`` tokens."""
         if self.decode_attention is not None:
             return self.decode_attention(queries, keys, values, decoding.slots, decoding.lengths)
         slots, length = decoding.slot_count, decoding.length
