@@ -8,7 +8,6 @@ it was; where it cannot be built, the engine keeps torch's kernel."""
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from workers import decode_attention
 
 @pytest.fixture(scope="module")
 def attention(tmp_path_factory: pytest.TempPathFactory) -> decode_attention.DecodeAttention:
-    if shutil.which("cc") is None and shutil.which("gcc") is None:
+    if decode_attention.compiler() is None:
         pytest.skip("no C compiler to build the decoding attention with")
     cache = tmp_path_factory.mktemp("kernels")
     with pytest.MonkeyPatch.context() as patch:

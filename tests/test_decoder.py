@@ -8,8 +8,6 @@ and through torch's kernel."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from transformers import (
@@ -24,6 +22,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from workers import decode_attention
 from workers.decoder import Decoder, Decoding, Span, StepMemory, unsupported
 from workers.kv_cache import KVCache
 from workers.linear import LAYOUTS, can_pack
@@ -55,7 +54,7 @@ def built(kind: str, layout: str, decoding: str) -> tuple[torch.nn.Module, Decod
             parameter.add_(torch.randn_like(parameter) * 0.02)
     decoder = Decoder(model, layout, "sdpa")
     if decoding == "ours":
-        if shutil.which("cc") is None and shutil.which("gcc") is None:
+        if decode_attention.compiler() is None:
             pytest.skip("no C compiler to build the decoding attention with")
         assert decoder.decode_attention is not None
     else:

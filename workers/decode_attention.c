@@ -50,10 +50,10 @@ INLINE void values_block(const float *restrict v, const float *restrict scores, 
         for (int64_t d = 0; d < dim; d++) o[g * dim + d] = acc[g][d];
 }
 
-/* Each query head's scores turned into weights, in place. */
-INLINE void softmax(float *restrict scores, int64_t n, int64_t groups)
+/* The scores of ``gb`` query heads, ``n`` each, turned into weights in place. */
+INLINE void softmax(float *restrict scores, int64_t n, int64_t gb)
 {
-    for (int64_t g = 0; g < groups; g++) {
+    for (int64_t g = 0; g < gb; g++) {
         float *sg = scores + g * n;
         float top = sg[0];
         for (int64_t t = 1; t < n; t++) top = sg[t] > top ? sg[t] : top;
@@ -67,33 +67,32 @@ INLINE void softmax(float *restrict scores, int64_t n, int64_t groups)
     }
 }
 
+/* ``gb`` query heads (``qh``) over ``n`` keys and values, into ``o``:
+   their scores, softmax and weighted values, each key and value read once
+   for all of them. */
+INLINE void attend_block(const float *restrict qh, const float *restrict k, const float *restrict v,
+                         float *restrict o, float *restrict scores, int64_t n, int64_t gb,
+                         int64_t dim, float scale)
+{
+    scores_block(qh, k, scores, n, gb, dim, scale);
+    softmax(scores, n, gb);
+    values_block(v, scores, o, n, gb, dim);
+}
+
 /* One key/value head of one row: its ``groups`` query heads (``qh``) over
-   ``n`` keys and values, into ``o``; ``scores`` has room for groups * n. The
-   query heads go through in blocks of four at most. */
+   ``n`` keys and values, into ``o``, in blocks of four heads at most;
+   ``scores`` has room for 4 * n. */
 INLINE void attend(const float *restrict qh, const float *restrict k, const float *restrict v,
                    float *restrict o, float *restrict scores, int64_t n, int64_t groups, int64_t dim, float scale)
 {
     for (int64_t g0 = 0; g0 < groups; g0 += 4) {
-        const int64_t gb = groups - g0 < 4 ? groups - g0 : 4;
         const float *q = qh + g0 * dim;
-        float *s = scores + g0 * n;
-        switch (gb) {
-        case 4: scores_block(q, k, s, n, 4, dim, scale); break;
-        case 3: scores_block(q, k, s, n, 3, dim, scale); break;
-        case 2: scores_block(q, k, s, n, 2, dim, scale); break;
-        default: scores_block(q, k, s, n, 1, dim, scale);
-        }
-    }
-    softmax(scores, n, groups);
-    for (int64_t g0 = 0; g0 < groups; g0 += 4) {
-        const int64_t gb = groups - g0 < 4 ? groups - g0 : 4;
-        const float *s = scores + g0 * n;
         float *out = o + g0 * dim;
-        switch (gb) {
-        case 4: values_block(v, s, out, n, 4, dim); break;
-        case 3: values_block(v, s, out, n, 3, dim); break;
-        case 2: values_block(v, s, out, n, 2, dim); break;
-        default: values_block(v, s, out, n, 1, dim);
+        switch (groups - g0 < 4 ? groups - g0 : 4) {
+        case 4: attend_block(q, k, v, out, scores, n, 4, dim, scale); break;
+        case 3: attend_block(q, k, v, out, scores, n, 3, dim, scale); break;
+        case 2: attend_block(q, k, v, out, scores, n, 2, dim, scale); break;
+        default: attend_block(q, k, v, out, scores, n, 1, dim, scale);
         }
     }
 }
@@ -115,7 +114,7 @@ int lmsp_decode_attention(
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++)
         if (lengths[r] > longest) longest = lengths[r];
-    float *scores = malloc(sizeof(float) * (size_t)(groups * longest + 1));
+    float *scores = malloc(sizeof(float) * (size_t)(4 * longest + 1));  /* a block's */
     if (!scores) return -1;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t n = lengths[r];

@@ -112,13 +112,18 @@ def load(scale: float) -> DecodeAttention | None:
     return attention
 
 
+def compiler() -> str | None:
+    """The C compiler to build with: ``CC``, else ``cc`` or ``gcc`` on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def _built() -> Path:
     """The library, built into ``cache_dir()`` unless it is there already."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    compiler_path = compiler()
+    if compiler_path is None:
         raise OSError("no C compiler (cc or gcc) on the PATH")
     version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
+        [compiler_path, "--version"], capture_output=True, text=True, check=True, timeout=30
     ).stdout
     key = hashlib.sha256(
         "\n".join([SOURCE.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version, _cpu_flags()]).encode()
@@ -132,8 +137,8 @@ def _built() -> Path:
         # Two commands: -ffast-math at the link would add startup code that
         # turns on flush-to-zero for the whole process.
         for command in (
-            [compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-            [compiler, "-shared", str(obj), "-o", str(library), *LINK_FLAGS],
+            [compiler_path, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+            [compiler_path, "-shared", str(obj), "-o", str(library), *LINK_FLAGS],
         ):
             done = subprocess.run(command, capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
