@@ -137,7 +137,7 @@ def parse_registry(text: str) -> dict[str, ModelSpec]:
     return specs
 
 
-def _flag(entry: dict, name: str, default: bool) -> bool:
+def _flag(entry: dict[str, object], name: str, default: bool) -> bool:
     """A true/false setting of an entry; anything else (``"false"``, a string
     that Python would call true) is refused."""
     value = entry.get(name, default)

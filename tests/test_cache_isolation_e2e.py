@@ -20,7 +20,7 @@ from lmsp_core.redis_client import redis_client
 from ops_app.collector import LmspCollector
 from tasks_app.models import UsageRecord
 
-from .conftest import make_token, request_body
+from .conftest import make_token, parse_sse, request_body
 from .stack import Stack
 
 
@@ -45,6 +45,17 @@ def lmsp_cached(api: httpx.Client, text: str) -> int:
     assert record.cached_tokens == cached
     assert 0 <= cached < body["usage"]["input_tokens"]
     return int(cached)
+
+
+def lmsp_streamed_cached(api: httpx.Client, text: str) -> int:
+    """The same, streamed: the usage of the final event."""
+    body = request_body(text, max_output_tokens=2, stream=True)
+    answer = api.post("/lmsp/v1/responses", json=body)
+    assert answer.status_code == 200, answer.text
+    final = parse_sse(answer.text)[-1]["data"]
+    record = UsageRecord.objects.get(response_id=final["response_id"])
+    assert final["usage"]["input_tokens_details"]["cached_tokens"] == record.cached_tokens
+    return int(record.cached_tokens)
 
 
 def chat_cached(api: httpx.Client, text: str) -> int:
@@ -86,14 +97,16 @@ def cached_tokens_counter(username: str) -> float:
 
 
 @pytest.mark.usefixtures("token")  # which settles the generations after the test
-@pytest.mark.parametrize("cached_of", [lmsp_cached, chat_cached, openai_response_cached])
+@pytest.mark.parametrize(
+    "cached_of", [lmsp_cached, lmsp_streamed_cached, chat_cached, openai_response_cached]
+)
 def test_an_owner_never_reuses_another_owner_s_prefix(
     stack: Stack, cached_of: Callable[[httpx.Client, str], int]
 ) -> None:
     """Owner B repeating owner A's memo computes it cold and is told 0 cached
-    tokens (LMSP, /v1/chat/completions, /v1/responses); each owner's own
-    repeat reuses their prefix and says so; the counters of /metrics say
-    what each owner's usage says."""
+    tokens (LMSP, streamed or not, /v1/chat/completions, /v1/responses);
+    each owner's own repeat reuses their prefix and says so; the counters of
+    /metrics say what each owner's usage says."""
     text = memo()
     with stack.client(make_token("ann")) as ann, stack.client(make_token("ben")) as ben:
         told = {
