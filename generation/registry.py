@@ -61,6 +61,12 @@ class ModelSpec:
     # Prompt tokens computed per decoding step (0: by device, workers.loading).
     prefill_chunk_tokens: int = 0
     prefix_cache: bool = True
+    # Whether requests of different owners reuse each other's cached
+    # prefixes (workers.batching). Off, each owner's are their own: shared,
+    # an owner learns how much of a prompt another owner sent (the cached
+    # tokens of their usage, their first token's time), enough to guess it
+    # one token at a time.
+    share_prefix_cache: bool = False
 
     @property
     def slug(self) -> str:
@@ -119,7 +125,8 @@ def parse_registry(text: str) -> dict[str, ModelSpec]:
             prefill_chunk_tokens=int(
                 entry.get("prefill_chunk_tokens", ModelSpec.prefill_chunk_tokens)
             ),
-            prefix_cache=bool(entry.get("prefix_cache", ModelSpec.prefix_cache)),
+            prefix_cache=_flag(entry, "prefix_cache", ModelSpec.prefix_cache),
+            share_prefix_cache=_flag(entry, "share_prefix_cache", ModelSpec.share_prefix_cache),
         )
         problem = _bad_setting(spec)
         if problem:
@@ -128,6 +135,17 @@ def parse_registry(text: str) -> dict[str, ModelSpec]:
             raise ValueError(f"models.toml: {spec.id!r} is declared twice")
         specs[spec.id] = spec
     return specs
+
+
+def _flag(entry: dict[str, object], name: str, default: bool) -> bool:
+    """A true/false setting of an entry; anything else (``"false"``, a string
+    that Python would call true) is refused."""
+    value = entry.get(name, default)
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"models.toml: bad entry {entry.get('id')!r}: {name} must be true or false"
+        )
+    return value
 
 
 def _bad_setting(spec: ModelSpec) -> str | None:

@@ -42,12 +42,21 @@ def model_object(spec: Any) -> dict[str, Any]:  # generation.registry.ModelSpec
     }
 
 
-def usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """A usage object; ``cached_tokens``: the input tokens the worker took from
+    its prefix cache (its owner's own prefixes, unless the model shares them)."""
     return {
         "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens},
         "output_tokens": output_tokens,
         "total_tokens": input_tokens + output_tokens,
     }
+
+
+def cached_tokens(usage_body: dict[str, Any]) -> int:
+    """The cached input tokens a usage object names (0 in usage written before
+    they were reported)."""
+    return int(usage_body.get("input_tokens_details", {}).get("cached_tokens", 0))
 
 
 # PostgreSQL's jsonb keeps members sorted its own way; answers list them in
@@ -75,7 +84,7 @@ def response_object(response: Any) -> dict[str, Any]:  # responses_app.models.Re
         "status": response.status,
         "model": response.model,
         "output": in_protocol_order(response.output),
-        "usage": usage(response.input_tokens, response.output_tokens),
+        "usage": usage(response.input_tokens, response.output_tokens, response.cached_tokens),
         "error": response.error,
         "incomplete_details": response.incomplete_details,
         "previous_response_id": response.previous_response_id,

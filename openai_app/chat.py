@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmsp_core import protocol
+
 from .errors import ParamMap, error_object
 from .shapes import check_fields, invalid, require_list, require_object, sent, unsupported_content
 
@@ -226,6 +228,7 @@ def usage(lmsp_usage: dict) -> dict:
         "prompt_tokens": lmsp_usage["input_tokens"],
         "completion_tokens": lmsp_usage["output_tokens"],
         "total_tokens": lmsp_usage["total_tokens"],
+        "prompt_tokens_details": {"cached_tokens": protocol.cached_tokens(lmsp_usage)},
     }
 
 

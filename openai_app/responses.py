@@ -22,6 +22,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmsp_core import protocol
+
 from .errors import ParamMap, error_object
 from .shapes import check_fields, invalid, require_list, require_object, sent
 
@@ -162,7 +164,7 @@ def usage(lmsp_usage: dict | None) -> dict | None:
         return None
     return {
         "input_tokens": lmsp_usage["input_tokens"],
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": protocol.cached_tokens(lmsp_usage)},
         "output_tokens": lmsp_usage["output_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": lmsp_usage["total_tokens"],

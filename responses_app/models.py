@@ -34,6 +34,8 @@ class Response(models.Model):
     output = models.JSONField(default=list)
     input_tokens = models.PositiveIntegerField(default=0)
     output_tokens = models.PositiveIntegerField(default=0)
+    # Input tokens the worker took from its prefix cache (a part of input_tokens).
+    cached_tokens = models.PositiveIntegerField(default=0)
     error = models.JSONField(null=True, blank=True)
     incomplete_details = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now, db_index=True)

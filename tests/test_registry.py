@@ -86,6 +86,17 @@ def test_a_bad_setting_is_refused_with_its_reason(line, reason):
     assert reason in str(refused.value)
 
 
+def test_a_prefix_cache_is_shared_across_owners_only_when_said_in_so_many_words():
+    (default,) = parse_registry(ENTRY).values()
+    assert default.share_prefix_cache is False
+    (shared,) = parse_registry(ENTRY + "share_prefix_cache = true\n").values()
+    assert shared.share_prefix_cache is True
+    # a string Python would call true is no yes
+    for line in ('share_prefix_cache = "false"', "share_prefix_cache = 0", 'prefix_cache = "no"'):
+        with pytest.raises(ValueError, match="bad entry 'm': .* must be true or false"):
+            parse_registry(ENTRY + line + "\n")
+
+
 def test_a_gpu_budget_is_what_its_memory_fraction_leaves_after_weights_and_a_step():
     spec = parse_registry(ENTRY).get("m")
     config = SimpleNamespace(intermediate_size=1536, hidden_size=576, vocab_size=49152)

@@ -462,6 +462,98 @@ def test_without_a_cache_nothing_is_kept():
     assert fed(step(scheduler)) == {again.id: 40}
 
 
+# --- the cache salt: reuse within one owner -------------------------------------------------
+
+
+def salted(prompt: int | list[int], salt: str, max_new: int = 10) -> Request:
+    made = request(prompt, max_new)
+    made.cache_salt = salt
+    return made
+
+
+def test_an_entry_is_found_only_with_its_own_salt():
+    cache = PrefixCache()
+    system = list(range(1, 38))
+    entry_id, _ = cache.insert([*system, 500], salt="owner:1")
+    assert cache.lookup([*system, 600], limit=100, salt="owner:1") == (entry_id, 37)
+    assert cache.lookup([*system, 600], limit=100, salt="owner:2") is None
+    assert cache.lookup([*system, 600], limit=100) is None  # no salt is a salt of its own
+    # the same tokens under another salt are an entry of their own, not redundant
+    other_id, covered = cache.insert([*system, 500], salt="owner:2")
+    assert other_id is not None and other_id != entry_id and covered == []
+    assert cache.lookup([*system, 500], limit=100, salt="owner:2") == (other_id, 38)
+    assert sorted(cache.salted({"owner:1"})) == [entry_id]
+    assert sorted(cache.salted(None)) == sorted([entry_id, other_id])
+
+
+def test_a_finished_request_s_prefix_is_reused_only_by_its_own_salt():
+    scheduler = Scheduler(max_batch=8, token_budget=1000, chunk_tokens=1000)
+    first = salted(40, "owner:1", max_new=1)
+    scheduler.add(first)
+    step(scheduler)  # its 40 tokens become an entry of owner 1
+    stranger, own = salted(list(first.prompt_ids), "owner:2"), salted(first.prompt_ids, "owner:1")
+    scheduler.add(stranger)
+    plan = step(scheduler)
+    assert not any(isinstance(op, Adopt) for op in plan.memory_ops)
+    assert fed(plan) == {stranger.id: 40} and stranger.cached_tokens == 0
+    scheduler.add(own)
+    plan = step(scheduler)
+    assert any(isinstance(op, Adopt) for op in plan.memory_ops)
+    assert fed(plan)[own.id] == 1 and own.cached_tokens == 39
+    assert scheduler.stats.prefix_tokens_reused == 39
+
+
+def test_a_running_request_is_shared_only_with_its_own_salt():
+    scheduler = Scheduler(max_batch=8, token_budget=1000, chunk_tokens=1000)
+    first = salted(40, "owner:1")
+    scheduler.add(first)
+    step(scheduler)
+    step(scheduler)
+    assert first.num_computed == 41
+    stranger = salted([*first.token_ids()[:41], 7], "owner:2")
+    own = salted([*first.token_ids()[:41], 7], "owner:1")
+    scheduler.add(stranger)
+    scheduler.add(own)
+    plan = step(scheduler)
+    assert plan.memory_ops == [Share(own.id, first.id, 41, 42)]
+    assert fed(plan) == {first.id: 1, stranger.id: 42, own.id: 1}
+    assert (stranger.cached_tokens, own.cached_tokens) == (0, 41)
+
+
+def test_forgetting_a_salt_drops_its_entries_and_keeps_nothing_of_its_requests():
+    scheduler = Scheduler(max_batch=8, token_budget=1000, chunk_tokens=1000)
+    kept, erased = salted(40, "owner:1", max_new=1), salted(40, "owner:2", max_new=1)
+    for done in (kept, erased):
+        scheduler.add(done)
+        step(scheduler)
+    running = salted(list(range(300, 340)), "owner:2")
+    scheduler.add(running)
+    step(scheduler)
+    step(scheduler)  # it has computed 41 tokens
+    (erased_entry,) = scheduler.cache.salted({"owner:2"})
+    scheduler.forget({"owner:2"})
+    plan = step(scheduler)
+    assert plan.memory_ops == [Evict(erased_entry)]
+    assert scheduler.cache.salted({"owner:2"}) == [] and len(scheduler.cache.salted(None)) == 1
+    # what the running one computed is neither shared nor kept once it ends
+    again = salted([*running.token_ids()[: running.num_computed], 7], "owner:2")
+    repeat = salted(list(erased.prompt_ids), "owner:2")
+    scheduler.add(again)
+    scheduler.add(repeat)
+    plan = step(scheduler)
+    assert plan.memory_ops == [] and again.cached_tokens == repeat.cached_tokens == 0
+    scheduler.abort(running, RequestStatus.FINISHED_STOPPED)
+    assert Release(running.id) in scheduler.schedule().memory_ops
+    assert scheduler.cache.salted({"owner:2"}) == []
+    # owner 1's entry is untouched; forgetting every salt drops it too
+    own = salted(list(kept.prompt_ids), "owner:1")
+    scheduler.add(own)
+    step(scheduler)
+    assert own.cached_tokens == 39
+    scheduler.forget(None)
+    assert len(scheduler.cache) == 0
+
+
 def test_a_preempted_request_frees_its_memory_for_the_others():
     """Its memory is what the others need: it is not kept as a cache entry."""
     scheduler = Scheduler(max_batch=8, token_budget=80, chunk_tokens=1000)

@@ -14,6 +14,12 @@ memory each request holds; the model runner (``model_runner``) computes
 it and samples; and this loop, the one place that turns their results
 into what callers see, hands each token to its ``Generation`` and ends
 it. ``schedule() -> execute() -> update()``, then deliver, once per step.
+
+Each request is salted with its owner (``owner_salt``): the prefix cache
+reuses keys and values only within one owner, unless the model's
+``share_prefix_cache`` says otherwise (then every request has the same
+salt). ``forget`` is how an erasure reaches the cache: the engine thread
+itself drops the entries, between two steps.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, cast
 
@@ -175,6 +181,8 @@ class BatchingEngine:
     batch waits for them. An exception in one is logged and ends only that
     request (``error``). ``Generation.cancel()`` drops the request before its
     next token. ``close()`` stops the thread and cancels whatever is left.
+    ``share_prefix_cache`` (default: the model's setting) lets requests of
+    different owners reuse each other's prefixes.
     """
 
     def __init__(
@@ -185,10 +193,14 @@ class BatchingEngine:
         chunk_tokens: int | None = None,
         prefix_cache: bool | None = None,
         name: str | None = None,
+        share_prefix_cache: bool | None = None,
     ) -> None:
         spec = lm.spec
         self.lm = lm
         self.max_batch = max_batch
+        self.share_prefix_cache = (
+            spec.share_prefix_cache if share_prefix_cache is None else share_prefix_cache
+        )
         self.default_eos = frozenset(lm.eos_token_ids)
         self.scheduler = Scheduler(
             max_batch=max_batch,
@@ -199,6 +211,8 @@ class BatchingEngine:
         self.runner = ModelRunner(lm.decoder, max_batch, lm.product_threads)
         self._ids = itertools.count(1)
         self._inbox: collections.deque[Request] = collections.deque()
+        # Salts to forget (None: every entry), in the order erasures came.
+        self._forget: list[frozenset[str] | None] = []
         self._generations: dict[int, tuple[Generation, TokenCallback | None]] = {}
         self._wakeup = threading.Condition()
         self._closing = False
@@ -217,6 +231,11 @@ class BatchingEngine:
     def token_budget(self) -> int:
         return self.scheduler.token_budget
 
+    def owner_salt(self, owner_id: int) -> str:
+        """The cache salt of an owner's requests: their own, unless this
+        model's cache is shared."""
+        return "" if self.share_prefix_cache else f"owner:{owner_id}"
+
     # --- the callers' side -----------------------------------------------------------
 
     def submit(
@@ -229,6 +248,7 @@ class BatchingEngine:
         grammar: xgr.CompiledGrammar | None = None,
         eos_token_ids: Iterable[int] | None = None,
         priority: int = 0,
+        cache_salt: str = "",
     ) -> Generation:
         """Queue one generation; thread-safe.
 
@@ -238,7 +258,8 @@ class BatchingEngine:
         ``grammar`` (from ``workers.constraints.compiled_grammar``) constrains
         every sampled token. ``eos_token_ids`` default to the model's.
         Waiting requests are admitted in ``priority`` order (lower first),
-        then in the order they came.
+        then in the order they came. ``cache_salt`` (``owner_salt``): it
+        reuses prefixes only of requests with the same salt.
         """
         request = Request(
             id=next(self._ids),
@@ -248,6 +269,7 @@ class BatchingEngine:
                 frozenset(eos_token_ids) if eos_token_ids is not None else self.default_eos
             ),
             priority=priority,
+            cache_salt=cache_salt,
             payload=RowSampling(sampling.temperature, grammar, list(generated_ids)),
         )
         if not request.prompt_ids:
@@ -290,6 +312,20 @@ class BatchingEngine:
             peak_allocated_tokens=self.runner.memory.peak_allocated_tokens,
         )
 
+    def forget(self, owner_ids: Collection[int] | None) -> None:
+        """Text of these owners was erased (None: of anyone): drop their
+        prefix-cache entries (every entry, when this model's cache is shared),
+        and keep nothing of their requests now in the engine, before the next
+        step; thread-safe."""
+        salts = (
+            None
+            if owner_ids is None or self.share_prefix_cache
+            else frozenset(map(self.owner_salt, owner_ids))
+        )
+        with self._wakeup:
+            self._forget.append(salts)
+            self._wakeup.notify()
+
     def drain(self) -> None:
         """Preempt every generation at the next step, and every one submitted
         after: the worker is stopping. Each ends ``preempted``, and its caller
@@ -328,14 +364,22 @@ class BatchingEngine:
         with torch.inference_mode():
             while True:
                 with self._wakeup:
-                    while not self._closing and not scheduler.has_work and not self._inbox:
+                    while (
+                        not self._closing
+                        and not scheduler.has_work
+                        and not self._inbox
+                        and not self._forget
+                    ):
                         self._wakeup.wait()
                     if self._closing:
                         break
                     arrived = list(self._inbox)
                     self._inbox.clear()
+                    forgotten, self._forget = self._forget, []
                 for request in arrived:
                     scheduler.add(request)
+                for salts in forgotten:  # after the arrivals: they came before the erasure
+                    scheduler.forget(salts)
                 if self._sharing_cores and not self._cores_shared:
                     half = max(1, self._process_threads // 2)
                     torch.set_num_threads(min(torch.get_num_threads(), half))

@@ -91,6 +91,7 @@ def run_task(
 class GenerationRun:
     def __init__(self, task: Task) -> None:
         self.task_id = task.id
+        self.owner_id = task.owner_id  # the prefix cache's salt: reuse within one owner
         self.attempt = task.attempt
         self.fair_key = task.fair_key
         self.response = task.response
@@ -159,12 +160,14 @@ class GenerationRun:
         flush also runs when no token came for ``IDLE_FLUSH_SECONDS`` (the
         request may wait for a batch slot), so a cancel is noticed then too.
         """
-        generation = engine_for(lm, self.spec.max_batch).submit(
+        batching = engine_for(lm, self.spec.max_batch)
+        generation = batching.submit(
             prompt_ids,
             engine.Sampling(max_new_tokens=remaining, temperature=self.params.temperature),
             generated_ids=self.token_ids,
             grammar=constraints.compiled_grammar(lm, self.params),
             priority=self.fair_key,  # the engine admits waiting requests in the fair order
+            cache_salt=batching.owner_salt(self.owner_id),
         )
         interval = settings.LMSP_FLUSH_INTERVAL_SECONDS
         stack, counted = ExitStack(), False
@@ -266,7 +269,7 @@ class GenerationRun:
 
     def _usage(self) -> dict[str, Any]:
         generated = len(self.token_ids) + (1 if self.ended_by_model else 0)
-        return protocol.usage(self.response.input_tokens, generated)
+        return protocol.usage(self.response.input_tokens, generated, self.cached_tokens)
 
     def _finish(self) -> str | None:
         rid, usage = self.response.id, self._usage()

@@ -39,6 +39,15 @@ that arrive while one with the same start runs (a system prompt many users
 send at once; the generations a stopping worker hands to its successor, all
 resumed at once) copy it instead of each computing it again, as vLLM's
 prefix caching shares the blocks of running requests.
+
+Reuse happens only between requests of one ``cache_salt`` (vLLM's name): the
+worker salts each request with its owner (``batching``), so an owner never
+starts from another's keys and values. Sharing them would tell the owner how
+much of their prompt another had sent (the cached-token count of their
+usage, their first token's time): enough to guess another's prompt one token
+at a time. ``forget`` drops what an erasure names: the entries of some salts
+now, and whatever the requests of those salts still in the engine computed
+when they end.
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ from __future__ import annotations
 import enum
 import itertools
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -87,7 +96,10 @@ class Request:
     ``num_computed`` counts the tokens whose keys and values the model
     runner holds for it; ``cached_tokens`` how many of those came from the
     prefix cache. ``payload`` is what the model runner needs to sample for
-    it (temperature, grammar): opaque here.
+    it (temperature, grammar): opaque here. ``cache_salt``: it reuses, and
+    shares, keys and values only with requests of the same salt; once
+    ``cacheable`` is off (an erasure named its salt), nothing it computed is
+    shared or kept.
     """
 
     id: int
@@ -96,6 +108,8 @@ class Request:
     eos_token_ids: frozenset[int]
     priority: int = 0  # lower is admitted first (the task's fair key), then arrival
     payload: object = None
+    cache_salt: str = ""
+    cacheable: bool = True
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
@@ -204,18 +218,19 @@ class SchedulerStats:
 class _Entry:
     id: int
     token_ids: list[int]
+    salt: str
     last_used: int
 
 
 class PrefixCache:
     """Which token sequences the model runner keeps keys and values of, and
-    the longest of them a new prompt starts with.
+    the longest of them with the same salt a new prompt starts with.
 
     Entries are found through a chain of hashes over blocks of ``BLOCK``
-    tokens (the scheme of vLLM's automatic prefix caching): looking a prompt
-    up costs one dictionary lookup per block, whatever the number of
-    entries, and the match is then extended token by token into the next
-    block. An entry that a newer one extends (the earlier turn of a
+    tokens (the scheme of vLLM's automatic prefix caching), the salt hashed
+    into the first: looking a prompt up costs one dictionary lookup per
+    block, whatever the number of entries, and the match is then extended
+    token by token into the next block. An entry that a newer one extends (the earlier turn of a
     conversation) is dropped for it.
     """
 
@@ -234,18 +249,20 @@ class PrefixCache:
     def __contains__(self, entry_id: int) -> bool:
         return entry_id in self._entries
 
-    def _chain(self, token_ids: Sequence[int]) -> Iterable[int]:
-        digest = 0
+    def _chain(self, salt: str, token_ids: Sequence[int]) -> Iterable[int]:
+        digest = hash(salt)
         for end in range(self.BLOCK, len(token_ids) + 1, self.BLOCK):
             digest = hash((digest, *token_ids[end - self.BLOCK : end]))
             yield digest
 
-    def lookup(self, token_ids: Sequence[int], limit: int) -> tuple[int, int] | None:
-        """The entry sharing the longest prefix (at least one block) with
-        ``token_ids``, and that prefix's length, at most ``limit``."""
+    def lookup(
+        self, token_ids: Sequence[int], limit: int, salt: str = ""
+    ) -> tuple[int, int] | None:
+        """The entry of ``salt`` sharing the longest prefix (at least one block)
+        with ``token_ids``, and that prefix's length, at most ``limit``."""
         candidates: set[int] = set()
         blocks = 0
-        for digest in self._chain(token_ids[:limit]):
+        for digest in self._chain(salt, token_ids[:limit]):
             found = self._by_chain.get(digest)
             if not found:
                 break
@@ -254,7 +271,7 @@ class PrefixCache:
         start = blocks * self.BLOCK
         for entry_id in candidates:
             entry = self._entries[entry_id]
-            if entry.token_ids[:start] != list(token_ids[:start]):
+            if entry.salt != salt or entry.token_ids[:start] != list(token_ids[:start]):
                 continue  # a hash collision
             end = min(limit, len(token_ids))
             length = start + _common_prefix(entry.token_ids[start:end], token_ids[start:end])
@@ -265,20 +282,20 @@ class PrefixCache:
     def touch(self, entry_id: int) -> None:
         self._entries[entry_id].last_used = next(self._clock)
 
-    def insert(self, token_ids: list[int]) -> tuple[int | None, list[int]]:
-        """Keep ``token_ids`` as an entry; returns its id (None when an entry
-        already holds them all, or they are too few to be found) and the ids
-        of the entries it makes redundant, now removed."""
+    def insert(self, token_ids: list[int], salt: str = "") -> tuple[int | None, list[int]]:
+        """Keep ``token_ids`` as an entry of ``salt``; returns its id (None when
+        an entry of that salt already holds them all, or they are too few to
+        be found) and the ids of the entries it makes redundant, now removed."""
         if len(token_ids) < self.BLOCK:
             return None, []
-        match = self.lookup(token_ids, len(token_ids))
+        match = self.lookup(token_ids, len(token_ids), salt)
         if match is not None and match[1] == len(token_ids):
             self.touch(match[0])
             return None, []
-        entry = _Entry(next(self._ids), token_ids, next(self._clock))
+        entry = _Entry(next(self._ids), token_ids, salt, next(self._clock))
         self._entries[entry.id] = entry
         self.tokens += len(token_ids)
-        for digest in self._chain(token_ids):
+        for digest in self._chain(salt, token_ids):
             self._by_chain.setdefault(digest, set()).add(entry.id)
         covered = []
         if match is not None and match[1] == len(self._entries[match[0]].token_ids):
@@ -289,11 +306,15 @@ class PrefixCache:
     def remove(self, entry_id: int) -> None:
         entry = self._entries.pop(entry_id)
         self.tokens -= len(entry.token_ids)
-        for digest in self._chain(entry.token_ids):
+        for digest in self._chain(entry.salt, entry.token_ids):
             holders = self._by_chain[digest]
             holders.discard(entry_id)
             if not holders:
                 del self._by_chain[digest]
+
+    def salted(self, salts: Collection[str] | None) -> list[int]:
+        """The ids of the entries of ``salts`` (None: every entry)."""
+        return [e.id for e in self._entries.values() if salts is None or e.salt in salts]
 
     def least_recently_used(self, keep: int | None = None) -> int | None:
         entries = [entry for entry in self._entries.values() if entry.id != keep]
@@ -357,6 +378,20 @@ class Scheduler:
             self._end(request, status, error)
         else:
             self._finish(request, status, error)
+
+    def forget(self, salts: Collection[str] | None) -> None:
+        """An erasure: drop the cache entries of ``salts`` (None: every entry),
+        and keep nothing of what the requests of those salts now in the engine
+        compute (their prompts may hold the erased words): no later request
+        shares it, and it is not cached when they end."""
+        for request in [*self.waiting, *self.running]:
+            if salts is None or request.cache_salt in salts:
+                request.cacheable = False
+        if self.cache is None:
+            return
+        for entry_id in self.cache.salted(salts):
+            self.cache.remove(entry_id)
+            self._memory_ops.append(Evict(entry_id))
 
     def schedule(self) -> StepPlan:
         ended = self._make_room()
@@ -476,8 +511,12 @@ class Scheduler:
                 )
                 ended.append(request)
                 continue
-            hit = self.cache.lookup(request.prompt_ids, need - 1) if self.cache else None
-            shared = self._computed_by_running(request.prompt_ids, need - 1)
+            hit = (
+                self.cache.lookup(request.prompt_ids, need - 1, request.cache_salt)
+                if self.cache is not None and request.cacheable
+                else None
+            )
+            shared = self._computed_by_running(request, need - 1)
             if shared is not None and (hit is None or shared[1] > hit[1]):
                 hit = None  # a running request has computed more of it than any entry holds
             else:
@@ -504,18 +543,19 @@ class Scheduler:
                 self.stats.prefix_tokens_reused += tokens
         return ended
 
-    def _computed_by_running(
-        self, token_ids: Sequence[int], limit: int
-    ) -> tuple[Request, int] | None:
-        """The running request that has computed the longest prefix (at least
-        a cache block, at most ``limit`` tokens) of ``token_ids``, and its
-        length; only with the prefix cache (it is the same reuse)."""
-        if self.cache is None:
+    def _computed_by_running(self, request: Request, limit: int) -> tuple[Request, int] | None:
+        """The running request of ``request``'s salt that has computed the
+        longest prefix (at least a cache block, at most ``limit`` tokens) of
+        its prompt, and its length; only with the prefix cache (it is the
+        same reuse), and neither of them forgotten."""
+        if self.cache is None or not request.cacheable:
             return None
         best: tuple[Request, int] | None = None
         for running in self.running:
+            if running.cache_salt != request.cache_salt or not running.cacheable:
+                continue
             computed = running.token_ids()[: min(running.num_computed, limit)]
-            length = _common_prefix(computed, token_ids)
+            length = _common_prefix(computed, request.prompt_ids)
             if length >= PrefixCache.BLOCK and (best is None or length > best[1]):
                 best = (running, length)
         return best
@@ -544,13 +584,15 @@ class Scheduler:
     def _finish(
         self, request: Request, status: RequestStatus, error: BaseException | None = None
     ) -> None:
-        """A running request ends: what it computed goes to the prefix cache,
-        unless it failed (its memory may be wrong) or was preempted (its
-        memory is what the others need)."""
+        """A running request ends: what it computed goes to the prefix cache
+        under its salt, unless it failed (its memory may be wrong), was
+        preempted (its memory is what the others need) or was forgotten."""
         self.running.remove(request)
         entry_id = None
-        if self.cache is not None and status not in _NOT_KEPT:
-            entry_id, covered = self.cache.insert(request.token_ids()[: request.num_computed])
+        if self.cache is not None and status not in _NOT_KEPT and request.cacheable:
+            entry_id, covered = self.cache.insert(
+                request.token_ids()[: request.num_computed], request.cache_salt
+            )
             self._memory_ops.append(
                 Release(request.id, entry_id, request.num_computed if entry_id else 0)
             )

@@ -51,19 +51,23 @@ def serve_models(sender: Any, **_: object) -> None:  # celery's WorkController
     """Load the models whose queues this worker consumes and start their
     batching engines before the first job, then tell the admin it serves them
     (the ops worker consumes none; ``workers.serve`` has started the grammar
-    compiler's fork server meanwhile).
+    compiler's fork server meanwhile). Erasures are heard from the start
+    (``erasure``).
 
     Model workers run the threads pool, so this is the process that generates;
     with a prefork pool the weights would be loaded before the fork, which
     CUDA does not survive."""
     from generation.registry import available_models
 
+    from . import erasure
     from .batching import engine_for
     from .loading import load_model
 
     global _heartbeat
     queues = set(sender.app.amqp.queues.consume_from)
     served = [spec for spec in available_models().values() if spec.queue in queues]
+    if served:
+        erasure.listen()
     for spec in served:
         engine_for(load_model(spec), spec.max_batch)
     if served:
