@@ -3,8 +3,11 @@ from django.contrib.admin.utils import unquote
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 
+from generation.registry import declared_models
+
 from . import records, transcript
 from .models import Response
+from .prompting import prompt_of
 
 
 @admin.register(Response)
@@ -52,6 +55,18 @@ class ResponseAdmin(admin.ModelAdmin):
     @admin.display(description="out", ordering="output_tokens")
     def tokens_out(self, response: Response) -> int:
         return response.output_tokens
+
+    @admin.display(description="prompt")
+    def prompt(self, response: Response) -> str:
+        """What the model reads for this turn if it runs now: rendered from the
+        turns that remain, as the worker renders it (no row keeps it)."""
+        spec = declared_models().get(response.model)
+        if spec is None:
+            return f"(the model {response.model!r} is no longer declared)"
+        try:
+            return prompt_of(response, spec)
+        except OSError:  # its tokenizer's files are not on this machine
+            return f"(the files of {response.model!r} are not on this machine)"
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

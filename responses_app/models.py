@@ -25,12 +25,11 @@ class Response(models.Model):
     store = models.BooleanField(default=False)
     # A deleted turn leaves the later turns that continued from it: they keep
     # their own input and output, and their context no longer holds its words.
+    # No row holds the prompt, which would copy every earlier turn's words: it
+    # is rendered from the chain when it is needed (``prompting``).
     previous_response = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="continuations"
     )
-    # The prompt as rendered for the model (chat template applied), kept for
-    # the admin's conversation view and for checking what the model saw.
-    prompt = models.TextField(blank=True)
     output = models.JSONField(default=list)
     input_tokens = models.PositiveIntegerField(default=0)
     output_tokens = models.PositiveIntegerField(default=0)

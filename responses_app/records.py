@@ -4,7 +4,10 @@ A response is built here and created with its task (``submit``), finished and re
 when the task lifecycle says so (``tasks_app.signals``, connected in
 ``apps``), discarded under one rule (``discard_unneeded``), and erased on
 request or past the retention of stored responses (``erase``,
-``forget_expired``).
+``forget_expired``). An erasure, an owner's deletion included
+(``owner_deleted``), is announced to the model workers once it commits, so
+that they drop what their prefix caches hold of that owner
+(``lmsp_core.erasure_news``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from django.db import transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
+from lmsp_core.erasure_news import announce_erasure
 from lmsp_core.ids import new_id
 from lmsp_core.status import FINAL_STATUSES, Status
 from tasks_app import lifecycle
@@ -38,7 +42,6 @@ def new(
     params: dict,
     store: bool,
     previous: Response | None,
-    prompt: str,
     input_tokens: int,
 ) -> Response:
     """The response of a submit (``submit.start_generation``), unsaved: the
@@ -52,7 +55,6 @@ def new(
         params=params,
         store=store,
         previous_response=previous,
-        prompt=prompt,
         input_tokens=input_tokens,
     )
 
@@ -114,11 +116,23 @@ def erase(responses: QuerySet[Response]) -> int:
     chunks and idempotency keys (a retry with the key starts afresh). A
     running one stops (``lifecycle.deleting``) and its streams end. Later
     turns that continued from one stay, without it: their
-    ``previous_response`` becomes empty, and their context no longer holds
-    its words. Usage records stay: they hold no words, and the owner's
-    token quota counts them. Returns how many responses were deleted."""
+    ``previous_response`` becomes empty, and since no row holds a rendered
+    prompt (``prompting``), no row holds its words any more; a later turn
+    queued meanwhile runs without them. Usage records stay: they hold no
+    words, and the owner's token quota counts them. The model workers are
+    told whose words went, once this commits. Returns how many responses
+    were deleted."""
+    owners = set(responses.values_list("owner_id", flat=True))
     lifecycle.deleting(Task.objects.filter(response__in=responses))
-    return responses.delete()[1].get(Response._meta.label, 0)
+    deleted = responses.delete()[1].get(Response._meta.label, 0)
+    announce_erasure(owners)
+    return deleted
+
+
+def owner_deleted(sender: type, instance: User, **_: object) -> None:
+    """``post_delete`` of a user: everything of theirs went with them
+    (``on_delete=CASCADE``); tell the model workers once it commits."""
+    announce_erasure([instance.pk])
 
 
 def forget_expired() -> int:

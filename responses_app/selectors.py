@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from django.contrib.auth.models import User
-from django.db.models import Q, QuerySet
+from django.db.models import QuerySet
 
 from lmsp_core.errors import ProblemError
 from lmsp_core.ids import is_valid_id
-from tasks_app.models import TaskKind
 
 from .models import Response
 
@@ -25,14 +24,13 @@ def stored_response(owner: User, response_id: str, param: str | None = None) -> 
 def erasable_responses(
     owner: User, response_id: str, param: str | None = None
 ) -> QuerySet[Response]:
-    """The response ``DELETE /responses/{id}`` erases, as a query: one this
-    owner can read back, stored (``store: true``) or a task's result; else
-    404, never 403."""
+    """The response ``DELETE /responses/{id}`` erases, as a query: any of this
+    owner's that is still kept, stored or not, a task's result or a direct
+    answer (an unstored one lives on while it runs, and for its
+    ``Idempotency-Key``'s retries); else 404, never 403."""
     found = Response.objects.none()
     if is_valid_id(response_id, "resp"):
-        found = Response.objects.filter(
-            Q(store=True) | Q(task__kind=TaskKind.TASK), id=response_id, owner=owner
-        )
+        found = Response.objects.filter(id=response_id, owner=owner)
     if not found.exists():
         raise _not_found("response", response_id, param)
     return found

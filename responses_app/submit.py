@@ -4,8 +4,10 @@
 A validated request becomes everything a worker needs, checked now so that a
 task never fails later for a reason the request already showed: the model
 and its capabilities, the conversation it continues, the typed generation
-parameters, the rendered prompt and its length. Then the response and its
-task are stored together, once per idempotency key.
+parameters and the length of the rendered prompt. Then the response and its
+task are stored together, once per idempotency key: the response with its
+own input only, the prompt being rendered again when the task runs
+(``prompting``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from django.db import IntegrityError
 
 from generation.grammar_limits import CompilerBusy
 from generation.params import GenerationParams
-from generation.prompts import render_prompt
 from generation.registry import ModelSpec, get_model
 from generation.schemas import needs_grammar, schema_problem
 from generation.tokens import prompt_tokenizer
@@ -27,9 +28,9 @@ from lmsp_core.errors import ProblemError
 from tasks_app import budgets, idempotency, quotas, services
 from tasks_app.models import Task, TaskKind
 
-from . import records
+from . import prompting, records
 from .models import Response
-from .selectors import conversation_items, stored_response
+from .selectors import stored_response
 from .serializers import validate_response_request
 
 
@@ -38,7 +39,6 @@ class PreparedGeneration:
     spec: ModelSpec
     input: list[dict]
     previous: Response | None
-    prompt: str
     input_tokens: int
     params: GenerationParams
     store: bool
@@ -72,11 +72,9 @@ def prepare_generation(owner: User, request: dict, param_prefix: str = "") -> Pr
         previous = stored_response(
             owner, request["previous_response_id"], at("previous_response_id")
         )
-    context = (conversation_items(previous) if previous else []) + request["input"]
-    tokenizer = prompt_tokenizer(spec)
-    prompt = render_prompt(spec, tokenizer, context, params)
+    prompt = prompting.rendered(spec, previous, request["input"], params)
     # Counted only as far as the window: past it, the prompt is not encoded further.
-    input_tokens = tokenizer.count(prompt, limit=spec.context_window - 1)
+    input_tokens = prompt_tokenizer(spec).count(prompt, limit=spec.context_window - 1)
     room = spec.context_window - input_tokens
     if room <= 0:
         raise ProblemError(
@@ -105,7 +103,6 @@ def prepare_generation(owner: User, request: dict, param_prefix: str = "") -> Pr
         spec=spec,
         input=request["input"],
         previous=previous,
-        prompt=prompt,
         input_tokens=input_tokens,
         params=params.limited(min(wanted, spec.max_output_tokens, room)),
         store=request["store"] and spec.has("conversations"),
@@ -123,7 +120,6 @@ def start_generation(owner: User, prepared: PreparedGeneration, kind: str) -> Ta
         params=prepared.params.as_json(),
         store=prepared.store,
         previous=prepared.previous,
-        prompt=prepared.prompt,
         input_tokens=prepared.input_tokens,
     )
     try:

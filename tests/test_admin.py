@@ -61,7 +61,6 @@ def make_response(
         output=output or [],
         store=True,
         previous_response=previous,
-        prompt="<prompt>",
         input_tokens=11,
         output_tokens=7,
         created_at=now,

@@ -13,8 +13,10 @@ from django.test import Client
 from django.urls import reverse
 from django.utils.html import escape
 
+from generation.registry import get_model
 from lmsp_core.ids import new_id
 from responses_app.models import Response
+from responses_app.prompting import prompt_of
 from tasks_app.models import Event, Task
 
 from .conftest import make_token, parse_sse, request_body, user_message
@@ -99,7 +101,7 @@ def test_three_turns_with_a_tool_call_reach_the_model_and_the_admin_in_order(api
         assert output_text(response).strip()
 
     # the model saw the whole history, in order
-    prompt = Response.objects.get(id=third["id"]).prompt
+    prompt = prompt_of(Response.objects.get(id=third["id"]), get_model("smollm2:135m"))
     history = [
         "You are a weather assistant named Nimbus.",
         "My name is Ada and I live in Oslo.",

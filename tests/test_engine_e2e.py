@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from generation.registry import get_model
 from responses_app.models import Response
+from responses_app.prompting import prompt_of
 from tasks_app.models import Event, Task
 from workers.loading import load_model
 
@@ -110,7 +111,7 @@ def counted_after(api, name: str, above: float, timeout: float = 20) -> float:  
 def answer_alone(lm, response_id: str) -> str:  # noqa: ANN001
     """The text a stored response's prompt gets through the plain path, no cache."""
     response = Response.objects.get(id=response_id)
-    ids = lm.tokenizer(response.prompt, add_special_tokens=False)["input_ids"]
+    ids = lm.tokenizer(prompt_of(response, lm.spec), add_special_tokens=False)["input_ids"]
     limit = response.params["max_output_tokens"]
     return lm.tokenizer.decode(generate_alone(lm, ids, limit), skip_special_tokens=True)
 

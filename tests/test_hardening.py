@@ -239,7 +239,7 @@ def test_a_row_written_in_sql_is_the_row_the_orm_writes():
         return Response(
             id=response_id, owner=owner, model="m", params={"temperature": 0.5, "tools": []},
             input=[{"role": "user", "content": [{"type": "input_text", "text": "é \"q\""}]}],
-            prompt="<|im_start|>", created_at=when,
+            created_at=when,
         )  # fmt: skip
 
     response("resp_orm").save()

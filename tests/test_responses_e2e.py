@@ -9,6 +9,7 @@ import pytest
 
 from generation.registry import get_model
 from responses_app.models import Response
+from responses_app.prompting import prompt_of
 from tasks_app.models import Event, UsageRecord
 from workers.loading import load_tokenizer
 
@@ -33,11 +34,10 @@ def test_synchronous_response_is_completed_text_with_consistent_usage(api):
     assert message["content"][0]["type"] == "output_text" and text.strip()
     usage = body["usage"]
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
-    stored = Response.objects.get(id=body["id"])
-    tokenizer = load_tokenizer(get_model("smollm2:135m"))
-    assert usage["input_tokens"] == len(
-        tokenizer(stored.prompt, add_special_tokens=False)["input_ids"]
-    )
+    spec = get_model("smollm2:135m")
+    prompt = prompt_of(Response.objects.get(id=body["id"]), spec)
+    tokenizer = load_tokenizer(spec)
+    assert usage["input_tokens"] == len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     # the answer's own tokens, plus the end-of-turn token that ended it
     assert usage["output_tokens"] == len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 1
 

@@ -36,6 +36,7 @@ from lmsp_core import protocol
 from lmsp_core.errors import problem
 from lmsp_core.status import Status
 from ops_app import recorders
+from responses_app.prompting import prompt_of
 from tasks_app import lifecycle
 from tasks_app.models import Task
 
@@ -128,7 +129,7 @@ class GenerationRun:
             detok = engine.IncrementalDetokenizer(lm.tokenizer, **self.offsets)
             remaining = self.params.max_output_tokens - len(self.token_ids)
             if self.stop is None and remaining > 0 and not self._past_deadline():
-                prompt = self.response.prompt
+                prompt = prompt_of(self.response, self.spec)  # the conversation as it stands
                 prompt_ids = lm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
                 self._decode(lm, detok, prompt_ids, remaining)
         self.ended_by_grammar = not self.ended_by_model and constraints.ended(
