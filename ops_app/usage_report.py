@@ -14,6 +14,7 @@ spreadsheet shows them as text, never runs them (``csv_cell``).
 from __future__ import annotations
 
 import csv
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import date, timedelta
@@ -35,6 +36,7 @@ PRESETS = {
 }
 FILTERS = ("from", "to", "preset", "model", "by")
 MAX_DAYS = 366
+ISO_DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 # What starts a formula (or hides one) in Excel, LibreOffice and Google Sheets (OWASP).
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
@@ -151,6 +153,8 @@ def _date(query: Mapping[str, str | None], name: str, default: date) -> date:
     if not value:
         return default
     try:
+        if not ISO_DATE.fullmatch(value):  # fromisoformat takes 20261130 and weeks too
+            raise ValueError(value)
         return date.fromisoformat(value)
     except ValueError:
         message = f"{name} must be a date such as 2026-11-30, not {value!r}"

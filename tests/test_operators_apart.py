@@ -149,6 +149,7 @@ def test_an_owner_reads_its_own_usage_as_the_admin_reports_it(owners):
     ("query", "param", "words"),
     [
         ({"from": "someday"}, "from", "from must be a date"),
+        ({"to": "20261130"}, "to", "to must be a date"),
         ({"from": "2026-11-02", "to": "2026-11-01"}, "from", "is after to"),
         ({"from": "0001-01-01", "to": "9999-12-31"}, "to", "at most 366 days"),
         ({"by": "week"}, "by", "by must be day or month"),
