@@ -5,7 +5,8 @@ Why: an owner should learn their own use without an operator, and nothing of
 anyone else's; ``/metrics`` is for operators. The numbers are the admin's
 usage pages' for that owner (one source, ``usage_report``), filtered by the
 same words (``from``, ``to``, ``preset``, ``model``, ``by``); a filter that
-cannot be used is a problem document naming it.
+cannot be used (empty ones, and ``preset`` beside ``from`` or ``to``,
+included) is a problem document naming it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,17 @@ class UsageView(APIView):
         if unknown:
             raise ProblemError(
                 "invalid_request", f"Unknown query parameter {unknown[0]!r}.", param=unknown[0]
+            )
+        # Stricter than the admin's form, which sends empty fields for "any":
+        # a parameter given is used, or refused.
+        empty = sorted(name for name, value in query.items() if not value)
+        if empty:
+            raise ProblemError("invalid_request", f"{empty[0]} is empty.", param=empty[0])
+        if "preset" in query and ("from" in query or "to" in query):
+            raise ProblemError(
+                "invalid_request",
+                "preset names the period: give it or from and to.",
+                param="preset",
             )
         try:
             filters = usage_report.filters_from(query.dict(), owner_of(request).pk)

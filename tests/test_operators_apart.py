@@ -155,6 +155,8 @@ def test_an_owner_reads_its_own_usage_as_the_admin_reports_it(owners):
         ({"by": "week"}, "by", "by must be day or month"),
         ({"preset": "forever"}, "preset", "unknown preset"),
         ({"owner": "bob"}, "owner", "Unknown query parameter"),
+        ({"by": ""}, "by", "by is empty"),
+        ({"preset": "this_month", "to": "2026-11-30"}, "preset", "give it or from and to"),
     ],
 )
 def test_bad_usage_filters_are_problem_documents(owners, query, param, words):
