@@ -5,7 +5,8 @@
 FROM python:3.11-slim
 ARG TORCH=cpu
 # Plain HTTP by default; behind a proxy that terminates TLS, set
-# LMSP_BEHIND_TLS_PROXY=1 and LMSP_CSRF_TRUSTED_ORIGINS (README, "Operations").
+# LMSP_BEHIND_TLS_PROXY=1, LMSP_TRUSTED_PROXIES and LMSP_CSRF_TRUSTED_ORIGINS
+# (README, "Operations").
 ENV PYTHONUNBUFFERED=1 \
     LMSP_DATA_DIR=/data \
     LMSP_MODEL_CACHE=/app/models \

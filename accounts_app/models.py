@@ -10,8 +10,13 @@ SCOPES = (
     "responses:read",
     "tasks:write",
     "tasks:read",
-    # Scraping GET /metrics (Prometheus): operators' counters, not protocol data.
+    # Scraping GET /metrics (Prometheus): counters, not protocol data; without
+    # owners, and of the token's models only ...
     "metrics:read",
+    # ... unless the token is an operator's: each owner's series, every model.
+    "metrics:operator",
+    # GET /lmsp/v1/usage: the owner's own use, by day or month and model.
+    "usage:read",
 )
 # Reserved by the protocol for services that run tools; never granted here.
 RESERVED_SCOPES = ("tools:execute",)

@@ -7,10 +7,13 @@ import hmac
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any, cast
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
+from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import Field
 from django.utils import timezone
 
 from lmsp_core.errors import ProblemError, unauthorized
@@ -45,6 +48,18 @@ def parse_scopes(raw: str | list[str]) -> list[str]:
     return sorted(set(scopes))
 
 
+def valid_username(username: str) -> str:
+    """``username`` if the user model accepts it as the admin's forms do
+    (Django's username validator: letters, digits and ``@.+-_``, at most 150
+    characters); else ValueError saying why."""
+    model = get_user_model()
+    field = cast("Field[Any, Any]", model._meta.get_field(model.USERNAME_FIELD))
+    try:
+        return str(field.clean(username, None))
+    except ValidationError as error:
+        raise ValueError(f"user name {username!r}: {' '.join(error.messages)}") from None
+
+
 @transaction.atomic
 def create_token(
     *,
@@ -53,7 +68,7 @@ def create_token(
     expires_in: int | None = None,
     name: str = "",
 ) -> IssuedToken:
-    user, _ = get_user_model().objects.get_or_create(username=username)
+    user, _ = get_user_model().objects.get_or_create(username=valid_username(username))
     return issue_token(owner=user, scopes=parse_scopes(scopes), expires_in=expires_in, name=name)
 
 

@@ -1,6 +1,7 @@
 """Reading settings from the environment, without extra dependencies."""
 
 import os
+from ipaddress import IPv4Network, IPv6Network, ip_network
 from urllib.parse import parse_qs, unquote, urlsplit
 
 
@@ -27,17 +28,35 @@ def env_bool(name: str, default: bool) -> bool:
     return value.strip().lower() in {"1", "true", "yes", "on"}
 
 
-def check_secret_key(key: str, builtin: str, *, debug: bool, development: bool) -> None:
-    """Refuse to start a production run (DEBUG off) with the key everyone knows:
-    it signs the admin's sessions. A development run says so explicitly
-    (``LMSP_DEVELOPMENT=1``), as scripts/serve and scripts/test do."""
-    if key == builtin and not debug and not development:
+def check_secret_key(key: str, builtin: str, *, development: bool) -> None:
+    """Refuse to start anything but a development run with the key everyone
+    knows: it signs the admin's sessions. A development run says so explicitly
+    (``LMSP_DEVELOPMENT=1``), as scripts/serve and scripts/test do; DEBUG does
+    not (a server started with LMSP_DEBUG=1 to look into a problem is still a
+    server)."""
+    if key == builtin and not development:
         from django.core.exceptions import ImproperlyConfigured
 
         raise ImproperlyConfigured(
-            "LMSP_SECRET_KEY is not set and LMSP_DEBUG is off: set LMSP_SECRET_KEY to a long "
-            "random value, or LMSP_DEVELOPMENT=1 for a development run with the built-in key."
+            "LMSP_SECRET_KEY is not set: set it to a long random value (LMSP_DEBUG=1 needs one "
+            "too), or LMSP_DEVELOPMENT=1 for a development run with the built-in key."
         )
+
+
+def trusted_proxies(name: str) -> list[IPv4Network | IPv6Network]:
+    """The addresses or networks (``10.0.0.5``, ``10.0.0.0/24``) in the
+    comma-separated variable ``name``; ImproperlyConfigured naming a bad one."""
+    networks = []
+    for entry in env_list(name):
+        try:
+            networks.append(ip_network(entry, strict=False))
+        except ValueError:
+            from django.core.exceptions import ImproperlyConfigured
+
+            raise ImproperlyConfigured(
+                f"{name}: {entry!r} is not an IP address or network such as 10.0.0.0/24"
+            ) from None
+    return networks
 
 
 def database_from_url(url: str, pool_size: int = 0) -> dict:

@@ -34,6 +34,30 @@ def data_dir() -> Path:
     return Path(os.environ.get("LMSP_DATA_DIR", root / ".data"))
 
 
+def _started_at(pid: int) -> float | None:
+    """When process ``pid`` started (Unix time, to a second), where Linux
+    tells (``/proc``); None elsewhere."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = next(
+            line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+        )
+    except (OSError, StopIteration):
+        return None
+    ticks = int(stat.rpartition(")")[2].split()[19])  # field 22, starttime
+    return int(boot.split()[1]) + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _wrote(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` may have written ``path``: it is alive and
+    started before the file was last written (a process that started later
+    has only been given the pid of the one that wrote it, which died)."""
+    if not _alive(pid):
+        return False
+    started = _started_at(pid)
+    return started is None or started <= path.stat().st_mtime + 1  # btime is to a second
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -70,13 +94,13 @@ def recorded(folder: Path | None = None) -> dict[str, str]:
     """``DATABASE_URL`` / ``REDIS_URL`` of a running ``scripts/serve`` of this
     checkout, and ``LMSP_DEVELOPMENT`` (its embedded services make it a
     development run), or nothing when none runs (a record left by a killed
-    one is ignored)."""
+    one is ignored, even when its pid now names another process)."""
     path = (folder or data_dir()) / RECORD_NAME
     try:
         data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not _wrote(int(data.get("pid", 0)), path):
+            return {}
     except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict) or not _alive(int(data.get("pid", 0))):
         return {}
     return {k: v for k, v in data.items() if k in RECORDED and v}
 

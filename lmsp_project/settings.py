@@ -3,8 +3,18 @@
 import os
 from pathlib import Path
 
+from django.core.exceptions import ImproperlyConfigured
+
 from . import localservices
-from .env import check_secret_key, database_from_url, env_bool, env_float, env_int, env_list
+from .env import (
+    check_secret_key,
+    database_from_url,
+    env_bool,
+    env_float,
+    env_int,
+    env_list,
+    trusted_proxies,
+)
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("LMSP_DATA_DIR", BASE_DIR / ".data"))
@@ -24,11 +34,11 @@ DEBUG = env_bool("LMSP_DEBUG", False)
 # scripts/serve, scripts/test, manage.py on the embedded PostgreSQL, and
 # recorded by scripts/serve for the commands that join its embedded services.
 # (A missing DATABASE_URL once counted too, and a server with a PostgreSQL on
-# the default address then ran with the key everyone knows.)
+# the default address then ran with the key everyone knows; so did LMSP_DEBUG=1.)
 LMSP_DEVELOPMENT = env_bool("LMSP_DEVELOPMENT", False) or (
     not os.environ.get("DATABASE_URL") and _RUNNING.get("LMSP_DEVELOPMENT") == "1"
 )
-check_secret_key(SECRET_KEY, BUILTIN_SECRET_KEY, debug=DEBUG, development=LMSP_DEVELOPMENT)
+check_secret_key(SECRET_KEY, BUILTIN_SECRET_KEY, development=LMSP_DEVELOPMENT)
 ALLOWED_HOSTS = env_list("LMSP_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver")
 
 # --- behind a proxy that terminates TLS (README, "Operations") ----------------
@@ -39,10 +49,18 @@ CSRF_TRUSTED_ORIGINS = env_list("LMSP_CSRF_TRUSTED_ORIGINS")
 # A proxy in front terminates TLS and sets X-Forwarded-Proto on every request
 # (overwriting any the client sent): a request it marks https is secure, so
 # that the admin's CSRF check expects https:// origins, and the session and
-# CSRF cookies are sent over https only. Never set without such a proxy:
-# any client could then claim https.
+# CSRF cookies are sent over https only. Forwarded headers count only on
+# requests from LMSP_TRUSTED_PROXIES (addresses or networks, comma separated;
+# none by default): from anyone else they are dropped
+# (lmsp_core.forwarded), so that no client can claim https.
 LMSP_BEHIND_TLS_PROXY = env_bool("LMSP_BEHIND_TLS_PROXY", False)
+LMSP_TRUSTED_PROXIES = trusted_proxies("LMSP_TRUSTED_PROXIES")
 if LMSP_BEHIND_TLS_PROXY:
+    if not LMSP_TRUSTED_PROXIES:
+        raise ImproperlyConfigured(
+            "LMSP_BEHIND_TLS_PROXY=1 needs LMSP_TRUSTED_PROXIES: the proxy's addresses or "
+            "networks (comma separated), the only ones whose X-Forwarded-Proto counts."
+        )
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
     SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = True
 # Strict-Transport-Security on secure answers: browsers then use https only
@@ -66,7 +84,10 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
-    # Outermost: counts the answer as the client gets it (for /metrics).
+    # Before anything reads the scheme or the host: forwarded headers of
+    # anyone but a trusted proxy dropped.
+    "lmsp_core.forwarded.TrustedProxyMiddleware",
+    # Outermost but that: counts the answer as the client gets it (for /metrics).
     "ops_app.middleware.request_metrics",
     "lmsp_core.middleware.ProtocolMiddleware",
     "openai_app.middleware.OpenAIErrorMiddleware",

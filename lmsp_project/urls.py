@@ -5,6 +5,7 @@ from django.urls import include, path, re_path
 from lmsp_core.errors import ProblemError
 from lmsp_core.http import csrf_free
 from ops_app import views as ops
+from ops_app.usage_api import UsageView
 from responses_app import views as responses
 from tasks_app import views as tasks
 
@@ -37,6 +38,7 @@ urlpatterns = [
     path(f"{api}tasks/<str:task_id>", tasks.TaskDetailView.as_view()),
     path(f"{api}tasks/<str:task_id>/cancel", tasks.TaskCancelView.as_view()),
     path(f"{api}tasks/<str:task_id>/events", tasks.task_events),
+    path(f"{api}usage", UsageView.as_view()),
     re_path(r"^lmsp/", api_not_found),
     # OpenAI-compatible API (openai_app): the same service in OpenAI's shapes
     path("v1/", include("openai_app.urls")),

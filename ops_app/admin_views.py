@@ -3,7 +3,11 @@ periodic jobs' health), the models, and usage by owner, model and day or
 month (the whole service's, and one owner's), with its CSV.
 
 Mounted under ``/admin/lmsp/`` in ``lmsp_project.urls``, each behind
-``admin.site.admin_view`` (staff login, no caching, CSRF as elsewhere).
+``admin.site.admin_view`` (staff login, no caching, CSRF as elsewhere). The
+usage pages also need a permission of their own, ``USAGE_PERMISSION`` (the
+daily usage rows' view permission: a superuser has it, other staff users
+when given it), since they show every owner's use; without it they answer
+403.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from urllib.parse import urlencode
 
 from django.contrib import admin
 from django.contrib.auth import get_user_model
+from django.contrib.auth.decorators import permission_required
 from django.contrib.auth.models import AbstractBaseUser
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404
@@ -21,6 +26,9 @@ from django.urls import path
 from tasks_app import selectors
 
 from . import charts, dashboard, jobs, usage_report
+
+USAGE_PERMISSION = "tasks_app.view_dailyusage"
+usage_pages = permission_required(USAGE_PERMISSION, raise_exception=True)
 
 
 def dashboard_view(request: HttpRequest) -> HttpResponse:
@@ -120,10 +128,10 @@ def _usage_page(request: HttpRequest, owner: AbstractBaseUser | None) -> HttpRes
 urlpatterns = [
     path("dashboard/", admin.site.admin_view(dashboard_view), name="lmsp-dashboard"),
     path("models/", admin.site.admin_view(models_view), name="lmsp-models"),
-    path("usage/", admin.site.admin_view(usage_view), name="lmsp-usage"),
+    path("usage/", admin.site.admin_view(usage_pages(usage_view)), name="lmsp-usage"),
     path(
         "usage/owner/<int:owner_id>/",
-        admin.site.admin_view(owner_usage_view),
+        admin.site.admin_view(usage_pages(owner_usage_view)),
         name="lmsp-owner-usage",
     ),
 ]

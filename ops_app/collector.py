@@ -7,6 +7,12 @@ queue depth from the tasks table; each owner's use of each model from its
 daily usage rows and its tasks in flight (``tasks_app.owner_usage``); live
 workers from their heartbeats; job health from ``jobs``. A part that cannot
 be read (Redis down) is left out of the scrape and ``lmsp_redis_up`` says so.
+
+Who scrapes decides what is in it (``Audience``): an operator sees every
+model and, unless ``LMSP_METRICS_OWNER_LABEL`` is off, each owner's series;
+anyone else sees no owner at all (usage added up per model) and only the
+models their token may use, so that a token cannot learn another owner's
+name or use, or a model it may not see.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import redis
 from django.conf import settings
@@ -91,7 +98,25 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+@dataclass(frozen=True)
+class Audience:
+    """Who a scrape is for: whether its series name owners, and the models it
+    shows (None: every one)."""
+
+    by_owner: bool
+    models: frozenset[str] | None
+
+    def shows(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+
+OPERATOR = Audience(by_owner=True, models=None)
+
+
 class LmspCollector(Collector):
+    def __init__(self, audience: Audience = OPERATOR) -> None:
+        self._audience = audience
+
     def collect(self) -> Iterator[Metric]:
         yield from self._database()
         try:
@@ -114,6 +139,8 @@ class LmspCollector(Collector):
             "lmsp_generations_running", "Tasks being generated now.", labels=["model"]
         )
         for model, depth in dashboard.queue_depth().items():
+            if not self._audience.shows(model):
+                continue
             queued.add_metric([model], depth["queued"])
             running.add_metric([model], depth["in_progress"])
         yield queued
@@ -121,8 +148,10 @@ class LmspCollector(Collector):
 
     def _owners(self) -> Iterator[Metric]:
         """Requests and tokens per owner and model (``tasks_app.owner_usage``);
-        without the owner label when ``LMSP_METRICS_OWNER_LABEL`` is off."""
-        by_owner = settings.LMSP_METRICS_OWNER_LABEL
+        without the owner label when ``LMSP_METRICS_OWNER_LABEL`` is off or
+        the scrape is not an operator's."""
+        by_owner = settings.LMSP_METRICS_OWNER_LABEL and self._audience.by_owner
+        shows = self._audience.shows
         labels = ["owner", "model"] if by_owner else ["model"]
 
         def of(owner: str, model: str) -> list[str]:
@@ -132,7 +161,7 @@ class LmspCollector(Collector):
             name: CounterMetricFamily(f"lmsp_usage_{name}", documentation, labels=labels)
             for name, documentation in USAGE_COUNTERS.items()
         }
-        for usage in owner_usage.ended(by_owner):
+        for usage in filter(lambda usage: shows(usage.model), owner_usage.ended(by_owner)):
             for name, counter in counters.items():
                 counter.add_metric(of(usage.owner, usage.model), getattr(usage, name))
         yield from counters.values()
@@ -142,6 +171,8 @@ class LmspCollector(Collector):
             labels=labels,
         )
         for owner, model, count in owner_usage.in_flight(by_owner):
+            if not shows(model):
+                continue
             in_flight.add_metric(of(owner, model), count)
         yield in_flight
 
@@ -162,7 +193,8 @@ class LmspCollector(Collector):
             "lmsp_output_tokens", "Tokens generated, end-of-turn tokens included.", labels=["model"]
         )
         for model, count in sorted(client.hgetall(recorders.OUTPUT_TOKENS_KEY).items()):
-            tokens.add_metric([_text(model)], int(count))
+            if self._audience.shows(_text(model)):
+                tokens.add_metric([_text(model)], int(count))
         yield tokens
 
         for name, (metric, documentation) in HISTOGRAMS.items():
@@ -182,7 +214,7 @@ class LmspCollector(Collector):
             "lmsp_workers_alive", "Model workers serving the model (heartbeats).", labels=["model"]
         )
         served = heartbeat.serving_workers()
-        models = sorted(set(available_models()) | set(served))
+        models = sorted(filter(self._audience.shows, set(available_models()) | set(served)))
         for model in models:
             workers.add_metric([model], len(served.get(model, [])))
         yield workers
@@ -235,6 +267,8 @@ class LmspCollector(Collector):
         pattern = recorders.histogram_key(name, "*")
         for key in sorted(client.scan_iter(match=pattern, count=500)):
             model = _text(key).removeprefix(recorders.histogram_key(name, ""))
+            if not self._audience.shows(model):
+                continue
             raw = {_text(k): v for k, v in client.hgetall(key).items()}
             cumulative, buckets = 0, []
             for bound in bounds:

@@ -3,14 +3,18 @@ source of the numbers on the usage pages, in their CSV and in
 ``manage.py lmsp_usage``, read from ``DailyUsage`` (kept beyond retention;
 a request is in it once it has ended, on the UTC day it was accepted).
 
-The filters come from a page's query string or the command's options, in
-the same words (``from``, ``to``, ``preset``, ``model``, ``by``), and are
-read by one function, ``filters_from``.
+The filters come from a page's query string, the command's options or the
+owners' ``GET /lmsp/v1/usage``, in the same words (``from``, ``to``,
+``preset``, ``model``, ``by``), and are read by one function,
+``filters_from``, which bounds a period to ``MAX_DAYS`` so that no request
+builds more than a year of rows. The CSV's cells are written so that a
+spreadsheet shows them as text, never runs them (``csv_cell``).
 """
 
 from __future__ import annotations
 
 import csv
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import date, timedelta
@@ -30,6 +34,19 @@ PRESETS = {
     "last_month": "Last month",
     "last_30_days": "Last 30 days",
 }
+FILTERS = ("from", "to", "preset", "model", "by")
+MAX_DAYS = 366
+ISO_DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+# What starts a formula (or hides one) in Excel, LibreOffice and Google Sheets (OWASP).
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+class FilterError(ValueError):
+    """A filter that cannot be used, and the word it came in (``FILTERS``)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
 
 
 class TextOut(Protocol):
@@ -103,7 +120,7 @@ def preset_period(preset: str, today: date) -> tuple[date, date]:
         return end.replace(day=1), end
     if preset == "last_30_days":
         return today - timedelta(days=29), today
-    raise ValueError(f"unknown preset {preset!r}; one of {', '.join(PRESETS)}")
+    raise FilterError("preset", f"unknown preset {preset!r}; one of {', '.join(PRESETS)}")
 
 
 def filters_from(
@@ -111,17 +128,22 @@ def filters_from(
 ) -> UsageFilters:
     """Filters from a query string or the command's options: ``preset`` (see
     ``PRESETS``), else ``from`` and ``to`` (ISO dates; by default this
-    month so far), ``model`` and ``by`` (``day`` or ``month``). Raises
-    ValueError naming what is wrong."""
+    month so far; at most ``MAX_DAYS`` days), ``model`` and ``by`` (``day``
+    or ``month``). Raises FilterError naming what is wrong."""
     today = today or timezone.now().date()
     start, end = preset_period(query.get("preset") or "this_month", today)
     if not query.get("preset"):
         start, end = _date(query, "from", start), _date(query, "to", end)
     if start > end:
-        raise ValueError(f"from ({start}) is after to ({end})")
+        raise FilterError("from", f"from ({start}) is after to ({end})")
+    days = (end - start).days + 1
+    if days > MAX_DAYS:
+        raise FilterError(
+            "to", f"a period is at most {MAX_DAYS} days; {start} to {end} is {days} days"
+        )
     by = query.get("by") or "day"
     if by not in ("day", "month"):
-        raise ValueError(f"by must be day or month, not {by!r}")
+        raise FilterError("by", f"by must be day or month, not {by!r}")
     grain: Grain = "month" if by == "month" else "day"
     return UsageFilters(start, end, grain, query.get("model") or None, owner_id)
 
@@ -131,9 +153,12 @@ def _date(query: Mapping[str, str | None], name: str, default: date) -> date:
     if not value:
         return default
     try:
+        if not ISO_DATE.fullmatch(value):  # fromisoformat takes 20261130 and weeks too
+            raise ValueError(value)
         return date.fromisoformat(value)
     except ValueError:
-        raise ValueError(f"{name} must be a date such as 2026-11-30, not {value!r}") from None
+        message = f"{name} must be a date such as 2026-11-30, not {value!r}"
+        raise FilterError(name, message) from None
 
 
 def report(filters: UsageFilters) -> UsageReport:
@@ -181,11 +206,18 @@ def cells(row: UsageRow, by: Grain) -> list[str]:
     return [period, row.owner, row.model, *figures]
 
 
+def csv_cell(text: str) -> str:
+    """``text`` as a spreadsheet shows it and never runs it: one that would
+    start a formula gets a leading apostrophe."""
+    return "'" + text if text.startswith(FORMULA_STARTS) else text
+
+
 def write_csv(usage: UsageReport, out: TextOut) -> None:
-    """The report's rows under a header (no total row: the columns add up to it)."""
-    writer = csv.writer(out, lineterminator="\n")
+    """The report's rows under a header (no total row: the columns add up to it),
+    lines ended as RFC 4180 says, so that a cell holding CR or LF is quoted."""
+    writer = csv.writer(out, lineterminator="\r\n")
     writer.writerow(COLUMNS)
-    writer.writerows(cells(row, usage.filters.by) for row in usage.rows)
+    writer.writerows(map(csv_cell, cells(row, usage.filters.by)) for row in usage.rows)
 
 
 def write_table(usage: UsageReport, out: TextOut) -> None:

@@ -3,9 +3,12 @@
 and compose health checks: no token, and nothing in the answer but the
 state of this process and of what it needs.
 
-``/metrics`` needs a bearer token with the ``metrics:read`` scope. Each
-scrape builds a registry holding only ``LmspCollector``: no per-process
-numbers, so any web process gives the same answer.
+``/metrics`` needs a bearer token with the ``metrics:read`` or the
+``metrics:operator`` scope: only the latter's scrape names owners and every
+model (``collector.Audience``); the former's shows the models the token may
+use, added up over owners. Each scrape builds a registry holding only
+``LmspCollector``: no per-process numbers, so any web process gives the same
+answer.
 """
 
 from __future__ import annotations
@@ -16,27 +19,38 @@ from django.views.decorators.http import require_GET
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
+from accounts_app.models import ApiToken
 from accounts_app.services import authenticate_bearer, require_scope
 from lmsp_core.errors import ProblemError, problem_response
 from lmsp_core.redis_client import REDIS_ERRORS, redis_client
+from tasks_app.model_access import allowed_models
 
-from .collector import LmspCollector
+from .collector import OPERATOR, Audience, LmspCollector
 
 SCOPE = "metrics:read"
+OPERATOR_SCOPE = "metrics:operator"
 
 
 @require_GET
 def metrics(request: HttpRequest) -> HttpResponse:
     try:
         token = authenticate_bearer(request.headers.get("Authorization"))
-        require_scope(token, SCOPE)
+        if OPERATOR_SCOPE not in token.scopes:
+            require_scope(token, SCOPE)
     except ProblemError as error:
         return problem_response(error)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(LmspCollector())
+    registry.register(LmspCollector(_audience(token)))
     # The text format Prometheus asks for in Accept (OpenMetrics or 0.0.4).
     encode, content_type = choose_encoder(request.headers.get("Accept", ""))
     return HttpResponse(encode(registry), content_type=content_type)
+
+
+def _audience(token: ApiToken) -> Audience:
+    """An operator's scrape, or one without owners and with the token's models."""
+    if OPERATOR_SCOPE in token.scopes:
+        return OPERATOR
+    return Audience(by_owner=False, models=allowed_models(token))
 
 
 @require_GET

@@ -153,7 +153,7 @@ class Stack:
         settings, and ``settings`` on top (not started)."""
         argv = [sys.executable, "-m", "uvicorn", "lmsp_project.asgi:application"]
         # as the Procfile runs it: open streams are closed 5 s after a SIGTERM
-        options = ["--no-access-log", "--timeout-graceful-shutdown", "5"]
+        options = ["--no-access-log", "--no-proxy-headers", "--timeout-graceful-shutdown", "5"]
         return Proc(
             f"{name}-{port}",
             [*argv, "--host", "127.0.0.1", "--port", str(port), *options],

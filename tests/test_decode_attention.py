@@ -3,11 +3,17 @@ beside torch's ``scaled_dot_product_attention``: rows in slots taken out of
 order, each over its own number of tokens, query heads grouped over shared
 key/value heads in blocks of four and a remainder, at the head sizes it is
 compiled for and another. Loading it leaves the process's floating point as
-it was; where it cannot be built, the engine keeps torch's kernel."""
+it was; where it cannot be built, the engine keeps torch's kernel. A library
+in a cache folder that others may write to, or of another user, or whose
+bytes differ from those built, is never loaded (its constructors never run)."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -71,3 +77,133 @@ def test_without_a_compiler_the_engine_keeps_torchs_kernel(
     with caplog.at_level(logging.WARNING, logger="workers.decode_attention"):
         assert decode_attention.load(scale=0.125) is None
     assert "falls back to torch's kernel" in caplog.text
+
+
+PLANTED = """
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *marker = fopen(MARKER, "w");
+    if (marker) { fputs("ran", marker); fclose(marker); }
+}
+"""
+
+
+@pytest.fixture()
+def planted(tmp_path: Path) -> tuple[Path, Path]:
+    """A real library whose constructor writes a marker file when it is
+    loaded, and the marker's path (not there yet)."""
+    compiler = decode_attention.compiler()
+    if compiler is None:
+        pytest.skip("no C compiler to build the planted library with")
+    marker, source, library = (
+        tmp_path / "constructor-ran",
+        tmp_path / "planted.c",
+        tmp_path / "planted.so",
+    )
+    source.write_text(PLANTED)
+    subprocess.run(
+        [compiler, "-shared", "-fPIC", f'-DMARKER="{marker}"', str(source), "-o", str(library)],
+        check=True,
+    )
+    ctypes.CDLL(str(library))  # the planted library works: loading it writes the marker
+    assert marker.read_text() == "ran"
+    marker.unlink()
+    return library, marker
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A library the cache built (loaded in this process, so tests copy it
+    into folders of their own: the loader opens a path once)."""
+    if decode_attention.compiler() is None:
+        pytest.skip("no C compiler to build the decoding attention with")
+    cache = tmp_path_factory.mktemp("built")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LMSP_KERNEL_CACHE", str(cache))
+        assert decode_attention.load(scale=0.125) is not None
+    (library,) = cache.iterdir()
+    return library
+
+
+def _cache_with(built: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private cache folder holding a copy of the built library; the copy."""
+    cache.mkdir(mode=0o700)
+    monkeypatch.setenv("LMSP_KERNEL_CACHE", str(cache))
+    library = cache / built.name
+    shutil.copy2(built, library)
+    return library
+
+
+def test_a_library_planted_in_a_folder_others_may_write_is_never_loaded(
+    built: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    planted: tuple[Path, Path],
+) -> None:
+    planted_library, marker = planted
+    cache = tmp_path / "kernels"
+    library = _cache_with(built, cache, monkeypatch)
+    cache.chmod(0o777)  # a shared folder: another user put this under the library's name
+    shutil.copyfile(planted_library, library)
+    with caplog.at_level(logging.WARNING, logger="workers.decode_attention"):
+        assert decode_attention.load(scale=0.125) is None
+    assert not marker.exists()  # its constructor never ran
+    assert "writable by its group or others" in caplog.text
+    assert "falls back to torch's kernel" in caplog.text
+
+
+def test_a_cache_folder_or_library_of_another_user_is_refused(
+    built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = tmp_path / "kernels"
+    library = _cache_with(built, cache, monkeypatch)
+    someone_else = os.geteuid() + 1
+    for path in (library, cache):
+        if os.geteuid() != 0:
+            pytest.skip("only root can give a file to another user")
+        os.chown(path, someone_else, -1)
+        with caplog.at_level(logging.WARNING, logger="workers.decode_attention"):
+            assert decode_attention.load(scale=0.125) is None
+        assert f"belongs to user {someone_else}, not this one" in caplog.text
+        caplog.clear()
+
+
+def test_a_library_others_may_write_is_refused(
+    built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    library = _cache_with(built, tmp_path / "kernels", monkeypatch)
+    library.chmod(0o775)
+    with caplog.at_level(logging.WARNING, logger="workers.decode_attention"):
+        assert decode_attention.load(scale=0.125) is None
+    assert f"the kernel cache library {library} is writable by its group or others" in caplog.text
+
+
+def test_a_tampered_library_in_a_private_folder_is_refused_by_its_digest(
+    built: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    planted: tuple[Path, Path],
+) -> None:
+    planted_library, marker = planted
+    cache = tmp_path / "kernels"
+    library = _cache_with(built, cache, monkeypatch)
+    shutil.copyfile(planted_library, library)  # same name, other bytes
+    with caplog.at_level(logging.WARNING, logger="workers.decode_attention"):
+        assert decode_attention.load(scale=0.125) is not None  # built again, and checked
+    assert not marker.exists()  # the tampered library's constructor never ran
+    assert "does not match its digest; built again" in caplog.text
+    (rebuilt,) = cache.iterdir()
+    assert rebuilt.read_bytes() != planted_library.read_bytes()
+
+
+def test_an_intact_library_in_a_private_folder_is_used_as_it_is(
+    built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "kernels"
+    library = _cache_with(built, cache, monkeypatch)
+    copied = library.stat().st_ino
+    assert decode_attention.load(scale=0.125) is not None
+    assert list(cache.iterdir()) == [library]
+    assert library.stat().st_ino == copied  # not built again

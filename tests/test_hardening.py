@@ -4,17 +4,20 @@ guard, grammar limits, the job deadline and cut-short tool calls."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
 import time
 from datetime import timedelta
+from ipaddress import ip_network
 
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
 from django.db import connection
+from django.test import Client, override_settings
 from django.utils import timezone
 
 from accounts_app.models import ApiToken
@@ -275,6 +278,20 @@ def test_revoke_needs_a_whole_prefix():
         authenticate_bearer(f"Bearer {issued.secret}")
 
 
+@pytest.mark.parametrize("name", ["=1+1", "bob smith", "a" * 151, "", "eve\n"])
+def test_lmsp_token_create_refuses_a_user_name_the_admin_would(name):
+    with pytest.raises(CommandError, match="user name"):
+        call_command("lmsp_token", "create", "--user", name, "--scopes", "models:read")
+    assert not get_user_model().objects.filter(username=name).exists()
+    out = io.StringIO()
+    call_command(
+        "lmsp_token", "create", "--user", "a.b@c+d-e_f", "--scopes", "models:read", stdout=out
+    )
+    assert (
+        authenticate_bearer(f"Bearer {out.getvalue().split()[-1]}").owner.username == "a.b@c+d-e_f"
+    )
+
+
 # --- request bodies -----------------------------------------------------------------
 
 
@@ -447,3 +464,83 @@ def test_a_call_cut_before_its_closing_tag_is_kept_when_its_json_is_whole():
     assembler.close()
     [call] = assembler.items
     assert call["type"] == "function_call" and json.loads(call["arguments"]) == {"city": "Oslo"}
+
+
+# --- issue 46: debug needs a key, development only when said, proxies only when named ---
+
+
+def settings_started(env: dict[str, str], *drop: str) -> subprocess.CompletedProcess:
+    """Django set up in a fresh process with ``env`` over this one's, less
+    ``drop`` and any development or key setting."""
+    dropped = ("LMSP_DEVELOPMENT", "LMSP_SECRET_KEY", "LMSP_DEBUG", *drop)
+    clean = {k: v for k, v in os.environ.items() if k not in dropped}
+    clean.update(DJANGO_SETTINGS_MODULE="lmsp_project.settings", **env)
+    return subprocess.run(
+        [sys.executable, "-c", SETUP], cwd=ROOT, env=clean, capture_output=True, text=True
+    )
+
+
+def test_debug_alone_does_not_start_with_the_built_in_key():
+    refused = settings_started({"LMSP_DEBUG": "1"})
+    assert refused.returncode != 0 and "LMSP_SECRET_KEY is not set" in refused.stderr
+    keyed = settings_started({"LMSP_DEBUG": "1", "LMSP_SECRET_KEY": "a-long-random-value"})
+    assert keyed.stdout.strip() == "started", keyed.stderr
+    said = settings_started({"LMSP_DEBUG": "1", "LMSP_DEVELOPMENT": "1"})
+    assert said.stdout.strip() == "started", said.stderr
+
+
+def test_a_stale_services_record_whose_pid_was_reused_is_no_development_run(tmp_path):
+    """scripts/serve recorded its services and died; its pid now names a
+    process started later: the record says nothing."""
+    path = tmp_path / "services.json"
+    record = {"DATABASE_URL": "postgresql://x@/lmsp", "REDIS_URL": "redis://x/0"}
+    written = time.time() - 30
+    later = subprocess.Popen(["sleep", "60"])  # started after the record was written
+    try:
+        path.write_text(json.dumps({**record, "LMSP_DEVELOPMENT": "1", "pid": later.pid}))
+        os.utime(path, (written, written))
+        refused = settings_started({"LMSP_DATA_DIR": str(tmp_path)}, "DATABASE_URL", "REDIS_URL")
+    finally:
+        later.kill()
+        later.wait()
+    assert refused.returncode != 0 and "LMSP_SECRET_KEY is not set" in refused.stderr
+    # the record of a process that is running and wrote it still counts
+    path.write_text(json.dumps({**record, "LMSP_DEVELOPMENT": "1", "pid": os.getpid()}))
+    joined = settings_started({"LMSP_DATA_DIR": str(tmp_path)}, "DATABASE_URL", "REDIS_URL")
+    assert joined.stdout.strip() == "started", joined.stderr
+
+
+def test_behind_a_tls_proxy_the_proxy_s_addresses_are_needed_and_checked():
+    key = {"LMSP_SECRET_KEY": "a-long-random-value", "LMSP_BEHIND_TLS_PROXY": "1"}
+    alone = settings_started(key)
+    assert alone.returncode != 0 and "needs LMSP_TRUSTED_PROXIES" in alone.stderr
+    wrong = settings_started({**key, "LMSP_TRUSTED_PROXIES": "10.0.0.1,proxy.example"})
+    assert wrong.returncode != 0 and "'proxy.example' is not an IP address" in wrong.stderr
+    named = settings_started({**key, "LMSP_TRUSTED_PROXIES": "10.0.0.1, 172.18.0.0/16, ::1"})
+    assert named.stdout.strip() == "started", named.stderr
+
+
+@pytest.mark.parametrize(
+    ("address", "secure"),
+    [("203.0.113.9", False), ("127.0.0.1", False), ("10.0.0.5", True), ("172.18.3.4", True)],
+)
+def test_forwarded_headers_count_only_from_a_trusted_proxy(address, secure):
+    """A client that reaches the port itself cannot claim https: no HSTS, and
+    the scheme stays http; through the proxy (10.0.0.5, or its network) it can."""
+    proxies = [ip_network("10.0.0.5"), ip_network("172.18.0.0/16")]
+    forwarded = {
+        "HTTP_X_FORWARDED_PROTO": "https",
+        "HTTP_X_FORWARDED_FOR": "198.51.100.1",
+        "HTTP_FORWARDED": "proto=https",
+    }
+    with override_settings(
+        SECURE_PROXY_SSL_HEADER=("HTTP_X_FORWARDED_PROTO", "https"),
+        SECURE_HSTS_SECONDS=3600,
+        LMSP_TRUSTED_PROXIES=proxies,
+    ):
+        answer = Client().get("/livez", REMOTE_ADDR=address, **forwarded)
+        assert answer.wsgi_request.is_secure() is secure
+    assert answer.status_code == 200
+    assert ("Strict-Transport-Security" in answer) is secure
+    kept = {name for name in forwarded if name in answer.wsgi_request.META}
+    assert kept == (set(forwarded) if secure else set())

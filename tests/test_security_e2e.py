@@ -299,6 +299,7 @@ def test_the_admin_login_works_behind_a_tls_proxy(stack, transactional_db):
         port,
         "web-proxied",
         LMSP_BEHIND_TLS_PROXY="1",
+        LMSP_TRUSTED_PROXIES="127.0.0.1",  # the test is the proxy
         LMSP_CSRF_TRUSTED_ORIGINS=PUBLIC,
         LMSP_HSTS_SECONDS="3600",
     )

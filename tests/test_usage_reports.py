@@ -10,6 +10,7 @@ from datetime import date
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission
 from django.core.management import CommandError, call_command
 from django.urls import reverse
 
@@ -179,3 +180,58 @@ def test_the_command_prints_the_same_table_and_csv(usage):
         call_command("lmsp_usage", "--owner", "nobody")
     with pytest.raises(CommandError, match="after"):
         call_command("lmsp_usage", "--from", "2026-11-02", "--to", "2026-11-01")
+
+
+# --- issue 46: a permission of their own, cells a spreadsheet would run, bounded periods ---
+
+
+@pytest.mark.parametrize("name", ["lmsp-usage", "lmsp-owner-usage"])
+def test_usage_pages_need_their_own_permission_not_just_staff(client, usage, name):
+    url = reverse(name, args=[usage["alice"]] if name == "lmsp-owner-usage" else [])
+    staff = get_user_model().objects.create_user("clerk", is_staff=True)
+    client.force_login(staff)
+    for query in ({}, {"format": "csv"}):
+        assert client.get(url, {**NOVEMBER, **query}).status_code == 403
+    assert reverse("lmsp-usage") not in client.get("/admin/").content.decode()
+    staff.user_permissions.add(Permission.objects.get(codename="view_dailyusage"))
+    client.force_login(get_user_model().objects.get(pk=staff.pk))  # permissions read again
+    assert client.get(url, NOVEMBER).status_code == 200
+    assert reverse("lmsp-usage") in client.get("/admin/").content.decode()
+
+
+FORMULAS = ["=1+1", "+1+1", "-1+1", "@SUM(A1)", "\tx", "\rx"]
+
+
+def test_csv_cells_a_spreadsheet_would_run_arrive_as_text(admin_client):
+    for number, name in enumerate(FORMULAS):
+        # names the admin's form would refuse, stored by other means (a shell, an import)
+        owner = get_user_model().objects.create_user(name)
+        DailyUsage.objects.create(
+            owner=owner, model="=cmd|' /C calc'!A0", day=date(2026, 11, number + 1)
+        )
+    answer = admin_client.get(reverse("lmsp-usage"), {**NOVEMBER, "format": "csv"})
+    rows = csv_rows(answer.content.decode())[1:]
+    assert [row[1] for row in rows] == ["'" + name for name in FORMULAS]
+    assert {row[2] for row in rows} == {"'=cmd|' /C calc'!A0"}
+    out = io.StringIO()
+    call_command(
+        "lmsp_usage", "--from", "2026-11-01", "--to", "2026-11-30", "--format", "csv", stdout=out
+    )
+    assert [row[1] for row in csv_rows(out.getvalue())[1:]] == ["'" + name for name in FORMULAS]
+
+
+def test_a_period_is_at_most_366_days(admin_client, usage):
+    leap_year = {"from": "2024-01-01", "to": "2024-12-31"}  # 366 days
+    assert usage_report.filters_from(leap_year).end == date(2024, 12, 31)
+    for too_long in (
+        {"from": "2024-01-01", "to": "2025-01-01"},
+        {"from": "0001-01-01", "to": "9999-12-31"},
+    ):
+        with pytest.raises(ValueError, match="a period is at most 366 days"):
+            usage_report.filters_from(too_long)
+        html = admin_client.get(reverse("lmsp-usage"), too_long).content.decode()
+        assert 'id="usage-error"' in html and "a period is at most 366 days" in html
+        csv_answer = admin_client.get(reverse("lmsp-usage"), {**too_long, "format": "csv"})
+        assert not csv_answer["Content-Type"].startswith("text/csv")  # the page, saying why
+    with pytest.raises(CommandError, match="at most 366 days"):
+        call_command("lmsp_usage", "--from", "0001-01-01", "--to", "9999-12-31")

@@ -19,6 +19,15 @@ name that changes with the source, the flags, the compiler and the CPU.
 Where there is no compiler, the build fails, or the built function does not
 give torch's answers on a small check, the engine attends with torch's
 kernel (``sdpa``), and says so once in its log.
+
+Why the cache is checked before anything in it is loaded: loading a library
+runs its constructors, as the worker, whose environment holds the database
+password. So the folder and the library must belong to the worker's user and
+be writable by nobody else (else the engine falls back, as for a failed
+build); a library is built under a temporary name in the folder and renamed
+whole; and its name carries the sha256 of its bytes, taken when it was built,
+which its bytes must still match before it is loaded (else it is removed and
+built again).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -118,7 +128,7 @@ def compiler() -> str | None:
 
 
 def _built() -> Path:
-    """The library, built into ``cache_dir()`` unless it is there already."""
+    """The library, built into ``cache_dir()`` unless an intact one is there."""
     compiler_path = compiler()
     if compiler_path is None:
         raise OSError("no C compiler (cc or gcc) on the PATH")
@@ -128,11 +138,16 @@ def _built() -> Path:
     key = hashlib.sha256(
         "\n".join([SOURCE.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version, _cpu_flags()]).encode()
     ).hexdigest()[:16]
-    target = cache_dir() / f"decode_attention-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+    folder = cache_dir()
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _refuse_unless_private(folder, "folder")
+    for found in sorted(folder.glob(f"decode_attention-{key}-*.so")):
+        _refuse_unless_private(found, "library")
+        if _digest(found) == found.stem.rpartition("-")[2]:
+            return found
+        log.warning("Decoding attention: %s does not match its digest; built again.", found)
+        found.unlink()
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:
         obj, library = Path(scratch) / "kernel.o", Path(scratch) / "kernel.so"
         # Two commands: -ffast-math at the link would add startup code that
         # turns on flush-to-zero for the whole process.
@@ -143,8 +158,33 @@ def _built() -> Path:
             done = subprocess.run(command, capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 raise OSError(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
+        library.chmod(0o755)  # writable by its owner alone, whatever the umask
+        target = folder / f"decode_attention-{key}-{_digest(library)}.so"
         os.replace(library, target)  # whole, even with another worker building it too
     return target
+
+
+def _refuse_unless_private(path: Path, what: str) -> None:
+    """Raise unless ``path`` (not a link) belongs to this process's user and
+    no other user or group may write to it."""
+    status = path.lstat()
+    if stat.S_ISLNK(status.st_mode):
+        raise OSError(f"the kernel cache {what} {path} is a symbolic link")
+    if status.st_uid != os.geteuid():
+        raise OSError(
+            f"the kernel cache {what} {path} belongs to user {status.st_uid}, not this one"
+        )
+    if status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise OSError(
+            f"the kernel cache {what} {path} is writable by its group or others "
+            f"(mode {stat.filemode(status.st_mode)}; chmod go-w it)"
+        )
+
+
+def _digest(library: Path) -> str:
+    """The sha256 of the library's bytes."""
+    with library.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _cpu_flags() -> str:
