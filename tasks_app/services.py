@@ -118,6 +118,7 @@ def start_task(
     kind: str,
     cost: int = 1,
     follows: str | None = None,
+    token_id: int | None = None,
 ) -> Task:
     """Store ``response`` (its app's row, built unsaved) and the task that
     generates it, with the task's ``response.created`` event and its usage
@@ -133,11 +134,13 @@ def start_task(
     ``cost`` is what fair sharing charges the owner for the task: its output
     token budget. Under the owner's lock its tasks get their fair keys one at
     a time (``fairness.FAIR_KEY_SQL``). ``follows``: the response this one
-    continues, whose worker it is sent to if it can (``routing``)."""
+    continues, whose worker it is sent to if it can (``routing``).
+    ``token_id``: the token it was submitted with (``Task.token``)."""
     now = timezone.now()
     task = Task(
         id=new_id("task"),
         owner=owner,
+        token_id=token_id,
         kind=kind,
         response_id=response.pk,
         model=spec.id,
