@@ -151,11 +151,11 @@ def claim(
 # A claim in one query string, so one round trip and one transaction. The
 # model's clock is created if missing and locked (claims of a model go one at
 # a time); then, with a snapshot taken after the lock, the fairest queued task
-# is picked and, if its owner has no running limit, the clock moves on to its
-# fair key and the task is claimed (unless it may no longer run: ``entitlement``).
-# Its start is the time it was claimed, read
-# after the lock: a time taken before the statement would misorder claims that
-# waited for one another. The row: the claimed task's columns (NULL when it
+# is picked and, if its owner has no running limit and it may still run
+# (``entitlement``), the clock moves on to its fair key and the task is
+# claimed. Its start is the time it was claimed, read after the lock: a time
+# taken before the statement would misorder claims that waited for one
+# another. The row: the claimed task's columns (NULL when it
 # was only picked) and its response's; none when nothing was picked.
 @functools.cache
 def _claim_sql(preferring: bool) -> str:
