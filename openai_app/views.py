@@ -111,7 +111,14 @@ def _translated(translate: Callable[[object], T], request: HttpRequest) -> T:
 def _submit(token: ApiToken, validated: dict, kind: str, key: str | None) -> Task:
     """``submit`` for the request's token, with the models it may use."""
     allowed = allowed_models(token)
-    return submit(token.owner, validated, kind=kind, idempotency_key=key, allowed_models=allowed)
+    return submit(
+        token.owner,
+        validated,
+        kind=kind,
+        idempotency_key=key,
+        allowed_models=allowed,
+        token_id=token.pk,
+    )
 
 
 async def _submitted(

@@ -109,10 +109,13 @@ def prepare_generation(owner: User, request: dict, param_prefix: str = "") -> Pr
     )
 
 
-def start_generation(owner: User, prepared: PreparedGeneration, kind: str) -> Task:
+def start_generation(
+    owner: User, prepared: PreparedGeneration, kind: str, token_id: int | None = None
+) -> Task:
     """Store the response and the task that generates it, in one statement,
     which first locks the owner's row and checks its quotas (429), then the
-    model's queue (503)."""
+    model's queue (503). ``token_id``: the token it was submitted with, which
+    it runs only while usable (``tasks_app.entitlement``)."""
     response = records.new(
         owner,
         model=prepared.spec.id,
@@ -131,6 +134,7 @@ def start_generation(owner: User, prepared: PreparedGeneration, kind: str) -> Ta
             kind=kind,
             cost=prepared.params.max_output_tokens,
             follows=prepared.previous.pk if prepared.previous else None,
+            token_id=token_id,
         )
     except IntegrityError as exc:
         if prepared.previous is None:
@@ -158,12 +162,13 @@ def submit(
     kind: str,
     idempotency_key: str | None,
     allowed_models: frozenset[str] | None,
+    token_id: int | None = None,
 ) -> Task:
     """The task generating a validated request; with an ``Idempotency-Key``, the
     task of the first request that used the key (a retry starts nothing, and
     is charged nothing). ``allowed_models``: the models the caller may use
     (``tasks_app.model_access``; None: every one); any other is 404, before
-    anything else, for a retry too."""
+    anything else, for a retry too. ``token_id``: the caller's token."""
     endpoint, param_prefix = ENDPOINTS[kind]
     get_model(
         request["model"],
@@ -172,7 +177,8 @@ def submit(
     )
 
     def start() -> Task:
-        return start_generation(owner, prepare_generation(owner, request, param_prefix), kind)
+        prepared = prepare_generation(owner, request, param_prefix)
+        return start_generation(owner, prepared, kind, token_id)
 
     if idempotency_key is None:
         return start()
@@ -188,6 +194,7 @@ def submit_task(
     request: dict,
     idempotency_key: str | None,
     allowed_models: frozenset[str] | None,
+    token_id: int | None = None,
 ) -> Task:
     """``POST /tasks`` with ``"type": "response"`` (registered in ``apps``)."""
     body = {name: value for name, value in request.items() if name != "stream"}
@@ -199,4 +206,5 @@ def submit_task(
         kind=TaskKind.TASK,
         idempotency_key=idempotency_key,
         allowed_models=allowed_models,
+        token_id=token_id,
     )

@@ -109,6 +109,7 @@ def _submitted(token: ApiToken, body: dict, key: str | None) -> Task:
         kind=TaskKind.DIRECT,
         idempotency_key=key,
         allowed_models=allowed_models(token),
+        token_id=token.pk,
     )
 
 

@@ -39,6 +39,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from accounts_app.models import ApiToken
 from accounts_app.services import bearer_credentials, require_scope, use_to_record, verified_token
+from lmsp_core.status import Status
 
 from .event_log import StoredEvent
 from .models import Task, TaskKind
@@ -57,6 +58,7 @@ class TaskPosition:
     status: str
     last_event_id: int
     pruned_through: int
+    queue_rank: int | None = None  # read by ``positions`` only: its place while queued
 
 
 def _conninfo() -> str:
@@ -125,6 +127,33 @@ async def position(task_id: str) -> TaskPosition | None:
         )
         row = await cursor.fetchone()
     return TaskPosition(*row) if row else None
+
+
+# Where each of a set of tasks stands, and each queued one's exact place in
+# its model's fair order (``fairness.FAIR_ORDER``), in one statement whatever
+# their number: the queues of their models are read once, not once per task.
+POSITIONS_SQL = """
+WITH watched AS (
+    SELECT id, model, status, last_event_id, pruned_through
+      FROM tasks_app_task WHERE id = ANY(%(ids)s)
+), ranked AS (
+    SELECT id, row_number() OVER (PARTITION BY model ORDER BY fair_key, created_at, id) AS rank
+      FROM tasks_app_task
+     WHERE status = %(queued)s
+       AND model IN (SELECT model FROM watched WHERE status = %(queued)s)
+)
+SELECT watched.id, status, last_event_id, pruned_through, rank
+  FROM watched LEFT JOIN ranked USING (id)
+"""
+
+
+async def positions(task_ids: list[str]) -> dict[str, TaskPosition]:
+    """Where each of these tasks stands (``position``) and, while queued, its
+    place in its queue, in one query: the periodic check of every stream
+    feed of a process (``tasks_app.streams``). A task that is gone is
+    absent."""
+    rows = await _run(POSITIONS_SQL, {"ids": task_ids, "queued": Status.QUEUED.value}, fetch="all")
+    return {row[0]: TaskPosition(*row[1:]) for row in rows}
 
 
 # Fields read by token_and_task, in the models' field order (Model.from_db).
@@ -286,7 +315,7 @@ async def usable_tokens(token_ids: list[int]) -> set[int]:
     return {row[0] for row in rows if ApiToken.from_db("default", fields, row).is_active(now)}
 
 
-async def _run(sql: str, params: tuple, fetch: str) -> Any:
+async def _run(sql: str, params: tuple | dict[str, Any], fetch: str) -> Any:
     """One statement for requests that wait on it (``fetch``: "all" rows or
     "none"): a pooled connection that died with a PostgreSQL restart fails
     once, then the pool checks its connections and the statement runs

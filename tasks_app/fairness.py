@@ -35,6 +35,7 @@ starts afresh when a task is queued again (a lost worker, a re-queue).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, cast
 
 from django.db import connection
@@ -43,7 +44,7 @@ from django.db.models import Model, Q
 from lmsp_core.rows import columns, from_row
 from lmsp_core.status import Status
 
-from . import quotas
+from . import entitlement, quotas
 from .locking import locked_row
 from .models import ModelClock, QueuePosition, Task
 
@@ -96,11 +97,15 @@ SELECT claimed.model, 0 FROM (SELECT {CLAIMED_MODEL_SQL} AS model) AS claimed
 """
 
 
-def take_fairest(clock: ModelClock, preferred: str | None = None) -> Task | None:
+def take_fairest(
+    clock: ModelClock, refused: Callable[[Task], None], preferred: str | None = None
+) -> Task | None:
     """Lock and return the queued task of the (locked) ``clock``'s model a free
     slot should take (the ``preferred`` one first), with its response, or None
-    (nothing queued, or every waiting owner at its running quota). Call inside
-    the claiming transaction."""
+    (nothing queued, or every waiting owner at its running quota). A task
+    that may no longer run (``refusal``) is handed, locked, to ``refused``,
+    which ends it, and the next one is taken. Call inside the claiming
+    transaction."""
     passed_over: list[int] = []  # owners at their running quota
     while True:
         with connection.cursor() as cursor:
@@ -117,6 +122,9 @@ def take_fairest(clock: ModelClock, preferred: str | None = None) -> Task | None
         if row is None:
             return None
         task = picked_task(row)
+        if refusal(task) is not None:
+            refused(task)
+            continue
         if quotas.may_start(task.owner_id, own_max_running(task)):
             break
         passed_over.append(task.owner_id)
@@ -131,8 +139,9 @@ def take_fairest(clock: ModelClock, preferred: str | None = None) -> Task | None
 # fairest queued task of %(model)s (an SQL expression), locked (NO KEY UPDATE:
 # rows only key-shared, by an event or a position being written for the task,
 # are not skipped), read with what the run needs first (its response, its
-# columns prefixed ``r_``) and whether the owner has a running limit of its
-# own to check (``own_max_running``). ``preferring``: the task %(preferred)s
+# columns prefixed ``r_``), why it may not run if it may not
+# (``entitlement``: picked anyway, to be ended) and whether the owner has a
+# running limit of its own to check (``own_max_running``). ``preferring``: the task %(preferred)s
 # goes first while it is queued (a job sent to one worker for it).
 @functools.cache
 def fairest_sql(model: str = "%(model)s", preferring: bool = False) -> str:
@@ -143,6 +152,7 @@ def fairest_sql(model: str = "%(model)s", preferring: bool = False) -> str:
     )
     return f"""
 SELECT {task}, {response},
+       {entitlement.refusal_sql()} AS refusal,
        (SELECT max_running FROM tasks_app_ownerquota WHERE owner_id = t.owner_id)
            AS own_max_running
   FROM tasks_app_task AS t
@@ -156,15 +166,22 @@ SELECT {task}, {response},
 
 def picked_task(row: tuple[Any, ...]) -> Task:
     """The task of a ``fairest_sql`` row (or of a row with the same columns),
-    its response and ``own_max_running`` set."""
+    its response, ``refusal`` and ``own_max_running`` set."""
     task_names, response_names = _names(Task), _names(response_model())
     split = len(task_names)
     task = from_row(Task, task_names, row[:split])
     task.response = from_row(  # type: ignore[assignment]  # responses_app's Response
         response_model(), response_names, row[split : split + len(response_names)]
     )
+    task.refusal = row[-2]  # type: ignore[attr-defined]  # read by refusal
     task.own_max_running = row[-1]  # type: ignore[attr-defined]  # read by own_max_running
     return task
+
+
+def refusal(task: Task) -> str | None:
+    """Why a picked task (``picked_task``) may not run, if it may not."""
+    refused: str | None = getattr(task, "refusal")  # noqa: B009 - set by picked_task
+    return refused
 
 
 def own_max_running(task: Task) -> int | None:

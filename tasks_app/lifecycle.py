@@ -10,6 +10,7 @@ re-sends queued tasks whose broker message was lost (``tasks_app.broker``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -29,7 +30,7 @@ from lmsp_core.celery_app import app as celery_app
 from lmsp_core.errors import ProblemError, problem
 from lmsp_core.status import FINAL_STATUSES, Status
 
-from . import broker, fairness, notify, quotas, usage
+from . import broker, entitlement, fairness, notify, quotas, usage
 from .event_log import EventLog, StoredEvent
 from .models import Event, Task, TokenChunk
 from .signals import task_finished, task_reopened
@@ -52,6 +53,7 @@ class Outcome:
     cached_tokens: int = 0  # prompt tokens the worker's prefix cache supplied
     worker_seconds: float = 0.0  # the ending attempt's time in the engine
     error: dict | None = None
+    input_billed: bool = True  # False: refused before any engine read it (``entitlement``)
     incomplete_details: dict | None = None
 
 
@@ -117,7 +119,10 @@ def claim(
 
     One statement string (``_claim_sql``), on the way to a lone request's
     first token, claims the fairest task unless its owner has a running
-    limit to count first (then ``_claim_counting_running``).
+    limit to count first or the task may no longer run (then
+    ``_claim_counting_running``). A task is claimed only while its token is
+    usable, its owner active and its model allowed (``entitlement``);
+    otherwise it ends failed with the reason, never run (``_end_refused``).
     """
     claimed: dict[str, Any] = {
         "task": task_id,
@@ -137,7 +142,8 @@ def claim(
         row = cursor.fetchone()
     if row is None:
         return None  # nothing queued for the model (or no such task)
-    if row[0] is None:  # picked, but its owner's running generations are to be counted
+    if row[0] is None:  # picked, but its owner's running generations are to be
+        # counted, or it may no longer run (``entitlement``) and is to be ended
         return _claim_counting_running(task_id, worker, model, preferred)
     return fairness.picked_task(row)
 
@@ -145,10 +151,11 @@ def claim(
 # A claim in one query string, so one round trip and one transaction. The
 # model's clock is created if missing and locked (claims of a model go one at
 # a time); then, with a snapshot taken after the lock, the fairest queued task
-# is picked and, if its owner has no running limit, the clock moves on to its
-# fair key and the task is claimed. Its start is the time it was claimed, read
-# after the lock: a time taken before the statement would misorder claims that
-# waited for one another. The row: the claimed task's columns (NULL when it
+# is picked and, if its owner has no running limit and it may still run
+# (``entitlement``), the clock moves on to its fair key and the task is
+# claimed. Its start is the time it was claimed, read after the lock: a time
+# taken before the statement would misorder claims that waited for one
+# another. The row: the claimed task's columns (NULL when it
 # was only picked) and its response's; none when nothing was picked.
 @functools.cache
 def _claim_sql(preferring: bool) -> str:
@@ -160,7 +167,7 @@ def _claim_sql(preferring: bool) -> str:
 WITH picked AS ({fairness.fairest_sql(fairness.CLAIMED_MODEL_SQL, preferring)}),
 startable AS (
     SELECT id, model, fair_key FROM picked
-     WHERE coalesce(own_max_running, %(max_running)s) = 0
+     WHERE refusal IS NULL AND coalesce(own_max_running, %(max_running)s) = 0
 ),
 advance_clock AS (
     UPDATE tasks_app_modelclock AS clock SET virtual_time = startable.fair_key
@@ -177,7 +184,7 @@ claimed AS (
 )
 SELECT {", ".join(f'claimed."{column}"' for column in task_columns)},
        {", ".join(f'picked."r_{column}"' for column in response_columns)},
-       picked.own_max_running
+       picked.refusal, picked.own_max_running
   FROM picked LEFT JOIN claimed ON claimed.id = picked.id
 """
 
@@ -188,11 +195,14 @@ def _claim_counting_running(
 ) -> Task | None:
     """``claim`` when the fairest task's owner has a running limit: the owner's
     row is locked and its running generations counted (``quotas.may_start``),
-    and a slot its owner may not use goes to the next owner in the fair order."""
+    and a slot its owner may not use goes to the next owner in the fair order;
+    or when the fairest task may no longer run: it is ended
+    (``_end_refused``), and so is every one behind it that may not, until one
+    that may is claimed."""
     clock = fairness.lock_clock(task_id, model)
     if clock is None:
         return None
-    task = fairness.take_fairest(clock, preferred)
+    task = fairness.take_fairest(clock, _end_refused, preferred)
     if task is None:
         return None
     now = timezone.now()
@@ -203,6 +213,19 @@ def _claim_counting_running(
     task.lease_expires_at = _lease_deadline()  # as _claim_sql's claimed
     task.save(update_fields=["status", "attempt", "worker", "started_at", "lease_expires_at"])
     return task
+
+
+def _end_refused(task: Task) -> None:
+    """End a picked (locked) task that may no longer run (``entitlement``):
+    failed, its error saying why, and its reservation released. It is billed
+    nothing, unless an earlier attempt ran (a lost worker's task queued
+    again): then what that attempt was sent, as for a cancel."""
+    refusal = fairness.refusal(task)
+    assert refusal is not None  # take_fairest hands only refused tasks here
+    log.info("Task %s may no longer run (%s); failing it", task.id, refusal)
+    error = entitlement.refusal_problem(refusal, task.model)
+    events, outcome = _partial_outcome(task, Status.FAILED, error)
+    _finalize(task, events, dataclasses.replace(outcome, input_billed=task.attempt > 0))
 
 
 def _owned(task_id: str, attempt: int) -> Task | None:
@@ -403,6 +426,7 @@ def _finalize(task: Task, events: list[tuple[str, dict]], outcome: Outcome) -> N
         cached_tokens=outcome.cached_tokens,
         worker_seconds=outcome.worker_seconds,
         now=now,
+        input_billed=outcome.input_billed,
     )
     _resend_held_back(task.owner_id)
 
@@ -650,6 +674,10 @@ def requeue_failed(task_id: str) -> Task:
     queue = _queue_of(task)
     if queue is None:
         raise ProblemError("invalid_request", model_gone_problem(task.model)["detail"])
+    refusal = entitlement.refusal_of(task.id)
+    if refusal is not None:  # it would end at once, unrun
+        detail = entitlement.refusal_problem(refusal, task.model)["detail"]
+        raise ProblemError("invalid_request", f"Task {task.id} cannot run again: {detail}")
     EventLog.append(task, [protocol.created_event(task.response_id)])
     usage.reopen(task.response_id)
     task.status = Status.QUEUED

@@ -29,6 +29,18 @@ class Task(models.Model):
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="tasks"
     )
     kind = models.CharField(max_length=10, choices=TaskKind.choices, default=TaskKind.TASK)
+    # The token that submitted it (empty: submitted without one, or before
+    # 0009): the task runs only while it is usable (``tasks_app.entitlement``).
+    # No constraint, so that a deleted token leaves its id, which then names
+    # no token and lets nothing run.
+    token = models.ForeignKey(
+        "accounts_app.ApiToken",
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        db_constraint=False,
+        related_name="+",
+    )
     response = models.OneToOneField(
         "responses_app.Response", on_delete=models.CASCADE, related_name="task"
     )

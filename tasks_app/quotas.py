@@ -1,7 +1,10 @@
 """Per-owner quotas: generations at once, tasks waiting, output tokens a
-minute; and the token budgets per UTC day and month, whose counting
-(in-flight requests charged their input and their whole output reservation
-until they end) is told in ``tasks_app.budgets``.
+minute (those sent in the last minute and the most the owner's queued and
+running requests may still be sent, ``TokenUse``: fifty requests at once
+cannot all be admitted under a quota one of them nearly fills); and the
+token budgets per UTC day and month, whose counting (in-flight requests
+charged their input and their whole output reservation until they end) is
+told in ``tasks_app.budgets``.
 
 Counting is race-free because every submit of an owner (in the statement of
 ``tasks_app.services.start_task``) and every claim that checks the owner's
@@ -22,6 +25,7 @@ from datetime import datetime, timedelta
 from typing import cast
 
 from django.conf import settings
+from django.db.models import Sum
 from django.utils import timezone
 
 from lmsp_core.errors import ProblemError
@@ -94,9 +98,46 @@ def _rate_limited(detail: str, retry_after: int, quota: str, limit: int) -> Prob
     )
 
 
-def _token_retry_after(owner_id: int, limit: int, now: datetime) -> int | None:
-    """Seconds until the owner's tokens of the minute before ``now`` fall below
-    ``limit``; None while they are below it already."""
+@dataclass(frozen=True)
+class TokenUse:
+    """What the output-token quota of a minute counts for a new request: the
+    output of the owner's requests that ended in the last minute
+    (``delivered``), the most its queued and running requests may still be
+    sent (``reserved``: their ``cost``, their ``max_output_tokens``, until
+    they end and their real output replaces it), and the most the new one
+    may (``cost``)."""
+
+    delivered: int
+    reserved: int
+    cost: int
+
+    def admits(self, limit: int) -> bool:
+        """Whether all of it fits ``limit``; a request larger than the whole
+        quota counts as the quota (it runs alone, or never would)."""
+        return self.delivered + self.reserved + min(self.cost, limit) <= limit
+
+
+def token_use(owner_id: int, cost: int, now: datetime) -> TokenUse:
+    """The owner's ``TokenUse`` at ``now`` for a request of ``cost``, read
+    without its lock (the submit's statement counts the same under it)."""
+    delivered = UsageRecord.objects.filter(
+        owner_id=owner_id, completed_at__gte=now - TOKEN_WINDOW
+    ).aggregate(total=Sum("output_tokens"))["total"]
+    reserved = Task.objects.filter(owner_id=owner_id, status__in=budgets.IN_FLIGHT).aggregate(
+        total=Sum("cost")
+    )["total"]
+    return TokenUse(delivered or 0, reserved or 0, cost)
+
+
+def _token_retry_after(owner_id: int, limit: int, use: TokenUse, now: datetime) -> int:
+    """Seconds until the output the owner was sent in the minute before ``now``
+    leaves room for ``use``'s request beside its requests in flight, as far
+    as the passing minute can make it; while the requests in flight alone
+    leave none, the wait for one of them to end
+    (``LMSP_QUOTA_RETRY_AFTER_SECONDS``)."""
+    allowed = limit - use.reserved - min(use.cost, limit)
+    if allowed < 0:
+        return settings.LMSP_QUOTA_RETRY_AFTER_SECONDS
     delivered = list(
         UsageRecord.objects.filter(owner_id=owner_id, completed_at__gte=now - TOKEN_WINDOW)
         .order_by("completed_at")
@@ -104,13 +145,12 @@ def _token_retry_after(owner_id: int, limit: int, now: datetime) -> int | None:
     )
     total = sum(tokens for _, tokens in delivered)
     for completed_at, tokens in delivered:
-        if total < limit:
+        if total <= allowed:
             break
         total -= tokens
-        leaves_in = (cast(datetime, completed_at) + TOKEN_WINDOW - now).total_seconds()
-        if total < limit:
-            return math.ceil(leaves_in)
-    return None if total < limit else math.ceil(TOKEN_WINDOW.total_seconds())
+        if total <= allowed:
+            return math.ceil((cast(datetime, completed_at) + TOKEN_WINDOW - now).total_seconds())
+    return 1  # room already (the figures moved since they were counted)
 
 
 def refuse_if_over(owner_id: int, input_tokens: int) -> None:
@@ -118,23 +158,25 @@ def refuse_if_over(owner_id: int, input_tokens: int) -> None:
     queued-task or output-token quota or one of its token budgets, before the
     costly part of accepting it (compiling its grammar). A read without the
     owner's lock: the submit's own admission (``services.start_task``) still
-    decides, this only spares the work."""
+    decides, this only spares the work. Its output is not known yet: it is
+    counted as one token, so that only a request the submit would refuse
+    whatever its size is refused here."""
     limits = limits_for(owner_id)
     waiting = 0
     if limits.max_queued:
         waiting = Task.objects.filter(owner_id=owner_id, status=Status.QUEUED).count()
     now = timezone.now()
-    admit(owner_id, limits, waiting, now)
+    use = token_use(owner_id, 1, now) if limits.output_tokens_per_minute else TokenUse(0, 0, 1)
+    admit(owner_id, limits, waiting, use, now)
     budgets.refuse_if_over(budgets.current(owner_id, now), input_tokens, now)
 
 
-def admit(owner_id: int, limits: Limits, waiting: int, now: datetime) -> None:
+def admit(owner_id: int, limits: Limits, waiting: int, use: TokenUse, now: datetime) -> None:
     """Refuse a request past the owner's queued-task or output-token quota
-    with 429. ``waiting`` is the owner's queued tasks as the submit counted
-    them under the owner's lock (``services.start_task``), ``now`` the
-    submit's time, from which the last minute is counted: the output tokens
-    of that minute only grow, so a submit refused for them is refused here
-    too."""
+    with 429. ``waiting`` and ``use`` are the owner's queued tasks and output
+    tokens as the submit counted them under the owner's lock
+    (``services.start_task``), ``now`` the submit's time, from which the last
+    minute is counted."""
     if limits.max_queued and waiting >= limits.max_queued:
         raise _rate_limited(
             f"{waiting} of your tasks are already waiting (your quota is "
@@ -143,13 +185,13 @@ def admit(owner_id: int, limits: Limits, waiting: int, now: datetime) -> None:
             "max_queued",
             limits.max_queued,
         )
-    if limits.output_tokens_per_minute:
-        retry_after = _token_retry_after(owner_id, limits.output_tokens_per_minute, now)
-        if retry_after is not None:
-            raise _rate_limited(
-                f"You were sent {limits.output_tokens_per_minute} or more output tokens in "
-                "the last minute (your quota); try again later.",
-                retry_after,
-                "output_tokens_per_minute",
-                limits.output_tokens_per_minute,
-            )
+    limit = limits.output_tokens_per_minute
+    if limit and not use.admits(limit):
+        raise _rate_limited(
+            f"Your quota is {limit} output tokens a minute: you were sent {use.delivered} in "
+            f"the last minute, your queued and running requests may still be sent "
+            f"{use.reserved}, and this one up to {use.cost}; try again later.",
+            _token_retry_after(owner_id, limit, use, now),
+            "output_tokens_per_minute",
+            limit,
+        )

@@ -29,7 +29,8 @@ from .models import Event, Task, UsageRecord
 # the tasks of a submit that held the lock before), reads the admission's
 # figures and inserts the new rows ({inserts}) only if they admit the request;
 # its ``used`` part reads the owner's token budgets' periods only when one is
-# set (``budgets``).
+# set (``budgets``), and the output tokens of the minute only when the owner
+# has that quota (``quotas``).
 SUBMIT_SQL = """
 INSERT INTO tasks_app_ownerquota (owner_id)
 SELECT %(owner)s WHERE NOT EXISTS (SELECT FROM tasks_app_ownerquota WHERE owner_id = %(owner)s)
@@ -53,16 +54,22 @@ admission AS (
                (SELECT coalesce(sum(output_tokens), 0) FROM tasks_app_usagerecord
                  WHERE owner_id = %(owner)s AND completed_at >= %(minute_ago)s)
            END AS recent_tokens,
+           CASE WHEN limits.tokens_per_minute = 0 THEN 0 ELSE
+               (SELECT coalesce(sum(cost), 0) FROM tasks_app_task
+                 WHERE owner_id = %(owner)s AND status = ANY(%(live)s))
+           END AS reserved_tokens,
            {fair_key} AS fair_key
       FROM limits, used
 ),
 admitted AS (
     SELECT fair_key AS admitted_fair_key FROM admission
      WHERE (max_queued = 0 OR owner_queued < max_queued)
-       AND (tokens_per_minute = 0 OR recent_tokens < tokens_per_minute)
+       AND (tokens_per_minute = 0 OR recent_tokens + reserved_tokens
+            + LEAST(%(cost)s, tokens_per_minute) <= tokens_per_minute)
        AND model_queued < %(max_model_queued)s{budgets_admit}
 ){inserts}
 SELECT max_running, max_queued, tokens_per_minute, owner_queued, model_queued, fair_key,
+       recent_tokens, reserved_tokens,
        {budget_columns}, input_day, output_day, input_month, output_month,
        EXISTS (SELECT FROM admitted)
   FROM admission
@@ -111,6 +118,7 @@ def start_task(
     kind: str,
     cost: int = 1,
     follows: str | None = None,
+    token_id: int | None = None,
 ) -> Task:
     """Store ``response`` (its app's row, built unsaved) and the task that
     generates it, with the task's ``response.created`` event and its usage
@@ -126,11 +134,13 @@ def start_task(
     ``cost`` is what fair sharing charges the owner for the task: its output
     token budget. Under the owner's lock its tasks get their fair keys one at
     a time (``fairness.FAIR_KEY_SQL``). ``follows``: the response this one
-    continues, whose worker it is sent to if it can (``routing``)."""
+    continues, whose worker it is sent to if it can (``routing``).
+    ``token_id``: the token it was submitted with (``Task.token``)."""
     now = timezone.now()
     task = Task(
         id=new_id("task"),
         owner=owner,
+        token_id=token_id,
         kind=kind,
         response_id=response.pk,
         model=spec.id,
@@ -159,6 +169,7 @@ def start_task(
         "minute_ago": now - quotas.TOKEN_WINDOW,
         "max_model_queued": settings.LMSP_MAX_QUEUED_PER_MODEL,
         "input_tokens": input_tokens,
+        "cost": task.cost,
         **budgets.sql_params(owner.pk, now),
         "response": rows.as_record(response),
         "task": rows.as_record(task),
@@ -170,10 +181,11 @@ def start_task(
         cursor.nextset()  # the quota row created if missing
         cursor.nextset()  # and locked
         row = cursor.fetchone()
-    *limits, owner_queued, model_queued, fair_key = row[:6]
-    owner_budgets = budgets.budgets_of(row[6:10], row[10:14])
-    if not row[14]:  # not admitted
-        quotas.admit(owner.pk, quotas.Limits(*limits), owner_queued, now)  # 429 if a quota is why
+    *limits, owner_queued, model_queued, fair_key, delivered, reserved = row[:8]
+    owner_budgets = budgets.budgets_of(row[8:12], row[12:16])
+    if not row[16]:  # not admitted
+        use = quotas.TokenUse(delivered, reserved, task.cost)
+        quotas.admit(owner.pk, quotas.Limits(*limits), owner_queued, use, now)  # 429 if a quota
         budgets.refuse_if_over(owner_budgets, input_tokens, now)  # or a budget
         raise ProblemError(  # else the model's queue is full
             "overloaded",

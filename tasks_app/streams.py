@@ -12,9 +12,12 @@ SSE frames, filled from the Redis messages the process's one subscription
 receives (``tasks_app.notify``) and, on a gap in ids, on (re)connecting to
 Redis or while Redis is down, by one database read shared by every follower
 of the task. A follower is a small coroutine that remembers the last id it
-sent and waits on its feed; while Redis is healthy an idle follower makes no
-query at all. A slow safety check per feed (``LMSP_STREAM_CHECK_SECONDS``),
-not per follower, catches a lost final message.
+sent and waits on its feed; while Redis is healthy an idle follower, and an
+idle feed, makes no query at all. A slow safety check per process
+(``LMSP_STREAM_CHECK_SECONDS``, ``_Watch``), not per feed or follower,
+catches a lost message (a final one included): one query reads where the
+tasks of all the process's feeds stand, and only a feed whose task moved on
+without telling it (or whose place in the queue went down) reads it again.
 
 A follower that starts before the window (a late joiner, a resume far back)
 replays from the database in pages of ``LMSP_STREAM_PAGE_EVENTS``; pages are
@@ -345,23 +348,48 @@ class TaskFeed:
             if self.ends_at(self.last) and self.ready:
                 await self._wake.wait()  # nothing more can come; only a reconnect wakes it
             else:
-                interval = (
-                    settings.LMSP_STREAM_CHECK_SECONDS
-                    if hub.healthy
-                    else settings.LMSP_STREAM_POLL_SECONDS
-                )
+                # With Redis, messages (and the process's ``_Watch``) wake the
+                # feed; without, it polls.
+                interval = None if hub.healthy else settings.LMSP_STREAM_POLL_SECONDS
                 for_position = self.task_queued and self.queue_position is None
                 if for_position:  # read it when due
                     loop = asyncio.get_running_loop()
-                    interval = min(interval, max(0.0, self._position_due - loop.time()))
+                    due = max(0.0, self._position_due - loop.time())
+                    interval = due if interval is None else min(interval, due)
                 try:
                     async with asyncio.timeout(interval):
                         await self._wake.wait()
                 except TimeoutError:
-                    # the safety check (or, without Redis, the poll), or the queue
-                    # position's read, unless events said meanwhile that the task runs
+                    # the poll without Redis, or the queue position's read,
+                    # unless events said meanwhile that the task runs
                     self._need_read = not for_position or self.task_queued
             self._wake.clear()
+
+    def watched(self) -> bool:
+        """Whether the process's periodic check (``_Watch``) looks at this
+        feed: read once, and its task not yet known to have ended."""
+        return self.ready and not self.closed and not self.ends_at(self.last)
+
+    def behind(self, position: event_reader.TaskPosition | None) -> bool:
+        """Whether the task, where ``_Watch`` found it (None: gone), has moved
+        on from what this feed knows: events or an end it was not told of,
+        events removed, or a place in the queue lower than the one it
+        reports."""
+        if position is None:
+            return True
+        queued = position.status == Status.QUEUED
+        return (
+            position.last_event_id > self.last
+            or position.pruned_through > self.pruned_through
+            or (position.status in FINAL_STATUSES) != self.task_final
+            or queued != self.task_queued
+            or (
+                queued
+                and position.queue_rank is not None
+                and self.queue_position is not None
+                and position.queue_rank < self.queue_position
+            )
+        )
 
     async def _refresh(self) -> None:
         """One shared read: the task's position, then whatever events this feed lacks."""
@@ -422,6 +450,40 @@ class TaskFeed:
 _feeds: dict[str, TaskFeed] = {}
 
 
+class _Watch:
+    """The safety check of one event loop's feeds, while it has any: every
+    ``LMSP_STREAM_CHECK_SECONDS`` while Redis is up, one query reads where
+    all their tasks stand (``event_reader.positions``), and the feeds whose
+    task moved on without their knowing (a message lost) read it. Without
+    Redis the feeds poll on their own (``LMSP_STREAM_POLL_SECONDS``)."""
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.task is None or self.task.done() or self.task.get_loop() is not loop:
+            self.task = loop.create_task(self._run(), name="lmsp-stream-watch")
+
+    async def _run(self) -> None:
+        while _feeds:
+            await asyncio.sleep(settings.LMSP_STREAM_CHECK_SECONDS)
+            watched = [feed for feed in _feeds.values() if feed.watched()]
+            if not hub.healthy or not watched:
+                continue
+            try:
+                found = await event_reader.positions([feed.task_id for feed in watched])
+            except READ_ERRORS as exc:  # the next check tries again
+                log.warning("Could not check the tasks of open streams (%s)", exc)
+                continue
+            for feed in watched:
+                if feed.behind(found.get(feed.task_id)):
+                    feed.request_read()
+
+
+_watch = _Watch()
+
+
 def _on_hub_change() -> None:
     """Redis came back (messages were lost meanwhile) or went away (start polling)."""
     for feed in _feeds.values():
@@ -439,6 +501,7 @@ def _acquire(task_id: str, known: Sequence[StoredEvent] = (), whole: bool = Fals
         _feeds[task_id] = feed
         hub.listen(task_id, feed.on_message)  # before the feed's first read
         feed.seed(known)
+        _watch.start()
     feed.whole = feed.whole or whole
     feed.followers += 1
     return feed

@@ -15,8 +15,9 @@ from django.contrib.auth.models import User
 from .models import Task
 
 # (owner, the body's "request" object, the Idempotency-Key or None, the models
-# the caller may use or None for all: ``model_access``) -> the task
-Starter = Callable[[User, dict, str | None, frozenset[str] | None], Task]
+# the caller may use or None for all: ``model_access``, the caller's token's
+# id: ``Task.token``) -> the task
+Starter = Callable[[User, dict, str | None, frozenset[str] | None, int | None], Task]
 
 _starters: dict[str, Starter] = {}
 

@@ -77,6 +77,13 @@ TRANSITIONS: dict[str, Transition] = {
         ("lifecycle._claim_sql", "lifecycle._claim_counting_running"),
         "a worker takes the fairest queued task: the next attempt, a lease",
     ),
+    "lifecycle.claim (may no longer run)": _t(
+        {QUEUED},
+        {Status.FAILED.value},
+        CLOSED_FIELDS,
+        ("lifecycle._finalize",),
+        "a queued task whose token, owner or model may no longer be used ends, never run",
+    ),
     "lifecycle.record_progress": _t(
         {IN_PROGRESS},
         {IN_PROGRESS},

@@ -43,6 +43,7 @@ END_SQL = f"""
 WITH ended AS (
     UPDATE tasks_app_usagerecord
        SET status = %(status)s, output_tokens = %(output_tokens)s,
+           input_tokens = CASE WHEN %(input_billed)s THEN input_tokens ELSE 0 END,
            cached_tokens = %(cached_tokens)s,
            worker_seconds = worker_seconds + %(worker_seconds)s,
            completed_at = %(completed_at)s
@@ -79,10 +80,12 @@ def end(
     cached_tokens: int,
     worker_seconds: float,
     now: datetime,
+    input_billed: bool = True,
 ) -> None:
     """Complete the request's usage record (``worker_seconds``: its last
     attempt's) and add it to its day, unless it was completed already (then
-    nothing changes)."""
+    nothing changes). ``input_billed`` False: its input tokens are not
+    charged (a task refused before it ever ran, ``tasks_app.entitlement``)."""
     with connection.cursor() as cursor:
         cursor.execute(
             END_SQL,
@@ -94,6 +97,7 @@ def end(
                 "worker_seconds": worker_seconds,
                 "completed_at": now,
                 "in_progress": Status.IN_PROGRESS.value,
+                "input_billed": input_billed,
             },
         )
 

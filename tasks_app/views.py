@@ -40,7 +40,8 @@ class TaskCollectionView(APIView):
             raise validation_problem(serializer.errors)
         start = task_types.starter(serializer.validated_data["type"])
         allowed = allowed_models(cast(ApiToken, request.auth))
-        task = start(owner_of(request), serializer.validated_data["request"], key, allowed)
+        body = serializer.validated_data["request"]
+        task = start(owner_of(request), body, key, allowed, cast(ApiToken, request.auth).pk)
         return DRFResponse(
             _task_object(task),
             status=202,

@@ -181,6 +181,49 @@ def test_output_token_quota_answers_429_until_the_minute_has_passed(stack):
         assert direct.status_code == 429
 
 
+def test_fifty_concurrent_submits_are_admitted_only_as_far_as_their_output_fits_the_minute(
+    stack,
+):
+    """The per-minute output quota counts what queued and running requests
+    may still be sent (their ``max_output_tokens``), not only what ended:
+    of fifty requests at once (none can end meanwhile: the blocker holds the
+    worker), those admitted may together be sent no more than the quota."""
+    token = make_token("bursty")
+    quota = 100
+    set_quota("bursty", output_tokens_per_minute=quota)
+    blocker = Blocker(stack)
+
+    def submit(_: int):
+        with stack.client(token) as client:
+            return client.post(
+                "/lmsp/v1/tasks",
+                json={"type": "response", "request": request_body(max_output_tokens=TOKENS)},
+            )
+
+    with ThreadPoolExecutor(50) as pool:
+        answers = list(pool.map(submit, range(50)))
+    accepted = [answer for answer in answers if answer.status_code == 202]
+    refused = [answer for answer in answers if answer.status_code != 202]
+    reserved = sum(
+        Task.objects.filter(id__in=[answer.json()["id"] for answer in accepted]).values_list(
+            "cost", flat=True
+        )
+    )
+    assert reserved == len(accepted) * TOKENS
+    assert reserved <= quota, f"{len(accepted)} admitted may be sent {reserved} tokens"
+    assert len(accepted) == quota // TOKENS  # and nothing refused that fitted
+    for answer in refused:
+        assert answer.status_code == 429
+        assert answer.headers["content-type"] == "application/problem+json"
+        assert answer.json()["code"] == "rate_limited"
+        assert answer.json()["quota"] == "output_tokens_per_minute"
+        assert answer.json()["limit"] == quota
+        assert int(answer.headers["Retry-After"]) >= 1
+    blocker.release()
+    with stack.client(token) as client:
+        wait_all(client, [answer.json()["id"] for answer in accepted])
+
+
 def queued_comments(raw: str) -> list[int]:
     return [int(line.split()[2]) for line in raw.splitlines() if line.startswith(": queued ")]
 

@@ -125,6 +125,12 @@ def with_running_limit() -> Task:
     return task
 
 
+def not_allowed_to_its_owner() -> Task:
+    task = new_task()
+    OwnerQuota.objects.update_or_create(owner_id=task.owner_id, defaults={"allowed_models": []})
+    return task
+
+
 def scenarios(empty_queue: Callable[[], object]) -> list[tuple[str, Callable, Callable]]:
     """(the transition, a set-up whose own writes are not counted and that
     returns a task, the change itself, given that task)."""
@@ -163,6 +169,7 @@ def scenarios(empty_queue: Callable[[], object]) -> list[tuple[str, Callable, Ca
         ("services.start_task", lambda: None, lambda _: new_task()),
         ("lifecycle.claim", new_task, claim),
         ("lifecycle.claim", with_running_limit, claim),  # the owner's running tasks counted
+        ("lifecycle.claim (may no longer run)", not_allowed_to_its_owner, claim),
         ("lifecycle.record_progress", claimed, progress),
         ("lifecycle.renew_lease", claimed, lambda t: lifecycle.renew_lease(t.id, t.attempt)),
         ("lifecycle.finish", claimed, ended(Status.COMPLETED)),
