@@ -37,6 +37,7 @@ urlpatterns = [
     path(f"{api}tasks/<str:task_id>", tasks.TaskDetailView.as_view()),
     path(f"{api}tasks/<str:task_id>/cancel", tasks.TaskCancelView.as_view()),
     path(f"{api}tasks/<str:task_id>/events", tasks.task_events),
+    path(f"{api}tasks/<str:task_id>/stream-url", tasks.TaskStreamUrlView.as_view()),
     re_path(r"^lmsp/", api_not_found),
     # OpenAI-compatible API (openai_app): the same service in OpenAI's shapes
     path("v1/", include("openai_app.urls")),
