@@ -5,6 +5,7 @@ from django.urls import include, path, re_path
 from lmsp_core.errors import ProblemError
 from lmsp_core.http import csrf_free
 from ops_app import views as ops
+from playground_app import views as playground
 from responses_app import views as responses
 from tasks_app import views as tasks
 
@@ -24,6 +25,8 @@ urlpatterns = [
     path("healthz", ops.readyz),  # the name compose files and older checks use
     path("admin/lmsp/", include("ops_app.admin_views")),
     path("admin/", admin.site.urls),
+    path("playground/", playground.playground, name="playground"),
+    path("playground/session-token", playground.session_token, name="playground-session-token"),
     # The admin's CSS and scripts, from the installed apps, without a separate
     # file server or collectstatic step: the only static files are the admin's,
     # for a handful of staff users.
