@@ -93,7 +93,7 @@ def test_the_api_keeps_its_description(stack, token):
     schema = schemathesis.openapi.from_dict(served.json())
     run = Run(stack, token)
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 11
+    assert len(operations) == 12
     for operation in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
 
@@ -130,4 +130,4 @@ def test_the_api_keeps_its_description(stack, token):
     REPORT.parent.mkdir(parents=True, exist_ok=True)
     REPORT.write_text(text + "\n")
     print("\n" + text)
-    assert len(run.counts) == 11
+    assert len(run.counts) == 12
