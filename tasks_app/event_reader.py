@@ -12,8 +12,9 @@ Connecting a follower borrows the same pool: one query reads the bearer
 token, its owner's ``is_active`` and the task (``token_and_task``), with no
 thread and no new PostgreSQL session, for all the followers connecting at
 the same moment; ``accounts_app.services`` judges the token as it judges
-any other. Requests that start a generation authenticate the same way
-(``authenticated``).
+any other. A signed stream URL's follower is read the same way, its token
+named by id instead of prefix (``granted_token_and_task``). Requests that
+start a generation authenticate the same way (``authenticated``).
 
 ``QUERIES`` counts them, so that a benchmark or a debugger can see what the
 streams of this process cost the database.
