@@ -136,6 +136,13 @@ def verified_token(token: ApiToken | None, secret: str, now: datetime) -> ApiTok
     is its own and it may be used ``now``; else 401."""
     if token is None or not hmac.compare_digest(token.secret_hash, _hash(secret)):
         raise unauthorized("The bearer token is not valid.")
+    return usable_token(token, now)
+
+
+def usable_token(token: ApiToken, now: datetime) -> ApiToken:
+    """``token`` (its owner loaded) if it may be used ``now``; else 401. What
+    a signed stream URL (``tasks_app.stream_urls``) asks of the token it was
+    issued to, since it carries no secret to check."""
     if not token.is_active(now):
         raise unauthorized("The bearer token has expired or was revoked.")
     if not token.owner.is_active:

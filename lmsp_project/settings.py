@@ -81,6 +81,7 @@ INSTALLED_APPS = [
     "workers",
     "openai_app",
     "ops_app",
+    "playground_app",
 ]
 
 MIDDLEWARE = [
@@ -224,6 +225,12 @@ LMSP_STREAM_RETRY_AFTER_SECONDS = env_int("LMSP_STREAM_RETRY_AFTER_SECONDS", 5)
 # A revoked token's streams end at once (a message on Redis); without one (a lost
 # message, an expiry) each web process checks its streams' tokens this often.
 LMSP_STREAM_ACCESS_CHECK_SECONDS = env_float("LMSP_STREAM_ACCESS_CHECK_SECONDS", 30.0)
+# A signed stream URL (POST /lmsp/v1/tasks/{id}/stream-url, for a web page's
+# EventSource) opens its task's stream for this many minutes after it was issued.
+LMSP_STREAM_URL_MINUTES = env_float("LMSP_STREAM_URL_MINUTES", 10.0)
+# A playground sign-in with the admin's session issues its user a bearer token
+# that expires after this many minutes (playground_app).
+LMSP_PLAYGROUND_TOKEN_MINUTES = env_int("LMSP_PLAYGROUND_TOKEN_MINUTES", 60)
 # Event streams that follow a task (GET /lmsp/v1/tasks/{id}/events, GET
 # /v1/responses/{id}) and direct responses (POST /lmsp/v1/responses, /v1/responses,
 # /v1/chat/completions) are served outside Django's request handler

@@ -6,6 +6,7 @@ from lmsp_core.errors import ProblemError
 from lmsp_core.http import csrf_free
 from ops_app import views as ops
 from ops_app.usage_api import UsageView
+from playground_app import views as playground
 from responses_app import views as responses
 from tasks_app import views as tasks
 
@@ -25,6 +26,8 @@ urlpatterns = [
     path("healthz", ops.readyz),  # the name compose files and older checks use
     path("admin/lmsp/", include("ops_app.admin_views")),
     path("admin/", admin.site.urls),
+    path("playground/", playground.playground, name="playground"),
+    path("playground/session-token", playground.session_token, name="playground-session-token"),
     # The admin's CSS and scripts, from the installed apps, without a separate
     # file server or collectstatic step: the only static files are the admin's,
     # for a handful of staff users.
@@ -39,6 +42,7 @@ urlpatterns = [
     path(f"{api}tasks/<str:task_id>/cancel", tasks.TaskCancelView.as_view()),
     path(f"{api}tasks/<str:task_id>/events", tasks.task_events),
     path(f"{api}usage", UsageView.as_view()),
+    path(f"{api}tasks/<str:task_id>/stream-url", tasks.TaskStreamUrlView.as_view()),
     re_path(r"^lmsp/", api_not_found),
     # OpenAI-compatible API (openai_app): the same service in OpenAI's shapes
     path("v1/", include("openai_app.urls")),

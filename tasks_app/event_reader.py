@@ -12,8 +12,9 @@ Connecting a follower borrows the same pool: one query reads the bearer
 token, its owner's ``is_active`` and the task (``token_and_task``), with no
 thread and no new PostgreSQL session, for all the followers connecting at
 the same moment; ``accounts_app.services`` judges the token as it judges
-any other. Requests that start a generation authenticate the same way
-(``authenticated``).
+any other. A signed stream URL's follower is read the same way, its token
+named by id instead of prefix (``granted_token_and_task``). Requests that
+start a generation authenticate the same way (``authenticated``).
 
 ``QUERIES`` counts them, so that a benchmark or a debugger can see what the
 streams of this process cost the database.
@@ -38,7 +39,14 @@ from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool
 
 from accounts_app.models import ApiToken
-from accounts_app.services import bearer_credentials, require_scope, use_to_record, verified_token
+from accounts_app.services import (
+    bearer_credentials,
+    require_scope,
+    usable_token,
+    use_to_record,
+    verified_token,
+)
+from lmsp_core.errors import unauthorized
 from lmsp_core.status import Status
 
 from .event_log import StoredEvent
@@ -177,14 +185,19 @@ TASK_FIELDS = ("id", "status", "last_event_id", "pruned_through")
 LOOKUP_BATCH = 500
 
 
+# How a follower names its token: by the prefix of the secret it sends, or
+# (a signed stream URL, ``tasks_app.stream_urls``) by the token's id.
+KEY_TYPES = {"prefix": "varchar", "id": "bigint"}
+
+
 @functools.cache
-def _token_and_task_sql() -> str:
+def _token_and_task_sql(key: str) -> str:
     token = ", ".join(f"k.{name}" for name in TOKEN_FIELDS)
     task = ", ".join(f"t.{name}" for name in TASK_FIELDS)
     return (
         f"SELECT q.n, {token}, u.is_active, {task}"
-        " FROM unnest(%s::varchar[], %s::varchar[]) WITH ORDINALITY AS q(prefix, task_id, n)"
-        f" JOIN {ApiToken._meta.db_table} k ON k.prefix = q.prefix"
+        f" FROM unnest(%s::{KEY_TYPES[key]}[], %s::varchar[]) WITH ORDINALITY AS q(key, task_id, n)"
+        f" JOIN {ApiToken._meta.db_table} k ON k.{key} = q.key"
         f" JOIN {get_user_model()._meta.db_table} u ON u.id = k.owner_id"
         f" LEFT JOIN {Task._meta.db_table} t"
         "  ON t.id = q.task_id AND t.owner_id = k.owner_id AND t.kind = %s"
@@ -197,16 +210,18 @@ class _Lookups:
     for at most the query before its own, and a burst of thousands of
     connections costs the database and this process dozens of queries, not
     thousands (a query's own cost, on the pool and in psycopg, was most of
-    a lookup's time)."""
+    a lookup's time). ``key``: the token's column they name it by
+    (``KEY_TYPES``)."""
 
-    def __init__(self) -> None:
-        self.waiting: list[tuple[str, str | None, asyncio.Future]] = []
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.waiting: list[tuple[str | int, str | None, asyncio.Future]] = []
         self.reading: asyncio.Task | None = None
 
-    def lookup(self, prefix: str, task_id: str | None) -> asyncio.Future:
+    def lookup(self, key: str | int, task_id: str | None) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self.waiting.append((prefix, task_id, future))
+        self.waiting.append((key, task_id, future))
         if self.reading is None:
             self.reading = loop.create_task(self._read(), name="lmsp-follower-lookups")
         return future
@@ -218,7 +233,7 @@ class _Lookups:
                 del self.waiting[:LOOKUP_BATCH]
                 try:
                     rows = await _run(
-                        _token_and_task_sql(),
+                        _token_and_task_sql(self.key),
                         ([b[0] for b in batch], [b[1] for b in batch], TaskKind.TASK),
                         fetch="all",
                     )
@@ -237,7 +252,7 @@ class _Lookups:
             self.reading = None
 
 
-_lookups: dict[asyncio.AbstractEventLoop, _Lookups] = {}
+_lookups: dict[tuple[asyncio.AbstractEventLoop, str], _Lookups] = {}
 
 
 async def token_and_task(prefix: str, task_id: str | None) -> tuple[ApiToken | None, Task | None]:
@@ -247,11 +262,25 @@ async def token_and_task(prefix: str, task_id: str | None) -> tuple[ApiToken | N
     shared with the other followers connecting now (``_Lookups``). The
     instances hold only these fields: reading another would query the
     database synchronously."""
+    return await _looked_up("prefix", prefix, task_id)
+
+
+async def granted_token_and_task(
+    token_id: int, task_id: str | None
+) -> tuple[ApiToken | None, Task | None]:
+    """``token_and_task`` for the token with id ``token_id`` (a signed stream
+    URL's, ``tasks_app.stream_urls``)."""
+    return await _looked_up("id", token_id, task_id)
+
+
+async def _looked_up(
+    key: str, value: str | int, task_id: str | None
+) -> tuple[ApiToken | None, Task | None]:
     loop = asyncio.get_running_loop()
-    lookups = _lookups.get(loop)
+    lookups = _lookups.get((loop, key))
     if lookups is None:
-        lookups = _lookups[loop] = _Lookups()
-    row = await lookups.lookup(prefix, task_id)
+        lookups = _lookups[loop, key] = _Lookups(key)
+    row = await lookups.lookup(value, task_id)
     if row is None:
         return None, None
     token = ApiToken.from_db("default", TOKEN_FIELDS, row[: len(TOKEN_FIELDS)])
@@ -277,7 +306,21 @@ async def judged_token(found: ApiToken | None, secret: str, scope: str) -> ApiTo
     ``accounts_app.services.authenticate_bearer`` judges it (401), its use
     recorded, and its ``scope`` required (403)."""
     now = timezone.now()
-    token = verified_token(found, secret, now)
+    return await _accepted(verified_token(found, secret, now), now, scope)
+
+
+async def granted_token(found: ApiToken | None, owner_id: int, scope: str) -> ApiToken:
+    """The token ``granted_token_and_task`` found for a signed stream URL,
+    judged as ``judged_token`` judges one, less the secret the URL does not
+    carry: it must still belong to ``owner_id`` and may be used now (401),
+    its use is recorded, and it must carry ``scope`` (403)."""
+    if found is None or found.owner_id != owner_id:
+        raise unauthorized("The token this stream URL was issued to no longer exists.")
+    now = timezone.now()
+    return await _accepted(usable_token(found, now), now, scope)
+
+
+async def _accepted(token: ApiToken, now: datetime, scope: str) -> ApiToken:
     if use_to_record(token, now):
         await record_token_use(token.pk, now)
     require_scope(token, scope)

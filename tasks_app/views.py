@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import cast
 
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
+from django.utils import timezone
 from rest_framework.request import Request
 from rest_framework.response import Response as DRFResponse
 from rest_framework.views import APIView
@@ -18,7 +19,16 @@ from lmsp_core.http import check_method, csrf_free
 from lmsp_core.ids import is_valid_id
 from lmsp_core.validation import integer_param, validation_problem
 
-from . import budgets, event_reader, fairness, idempotency, selectors, services, task_types
+from . import (
+    budgets,
+    event_reader,
+    fairness,
+    idempotency,
+    selectors,
+    services,
+    stream_urls,
+    task_types,
+)
 from .model_access import allowed_models
 from .models import Task
 from .serializers import TaskRequestSerializer
@@ -90,6 +100,25 @@ class TaskCancelView(APIView):
         return DRFResponse(_task_object(task))
 
 
+class TaskStreamUrlView(APIView):
+    """A signed, short-lived URL of the task's event stream, for a web page
+    (``tasks_app.stream_urls``)."""
+
+    required_scopes = {"POST": "tasks:read"}
+
+    def post(self, request: Request, task_id: str) -> DRFResponse:
+        task = selectors.owned_task(owner_of(request), task_id)
+        url, expires_at = stream_urls.issue(task.id, cast(ApiToken, request.auth), timezone.now())
+        return DRFResponse(
+            {
+                "object": "stream_url",
+                "task_id": task.id,
+                "url": url,
+                "expires_at": protocol.timestamp(expires_at),
+            }
+        )
+
+
 def resume_point(request: HttpRequest) -> int:
     """``after`` wins over ``Last-Event-ID``; neither means from the start."""
     if "after" in request.GET:
@@ -104,11 +133,19 @@ async def _open_stream(request: HttpRequest, task_id: str) -> tuple[ApiToken, in
     """Everything a new follower needs, in one query on the streams' pool (no
     thread, no new database session): its token (401/403), resume point
     (400) and task (404), refused in that order. An id that cannot be a
-    task's is not sent to the database."""
-    prefix, secret = bearer_credentials(request.headers.get("Authorization"))
+    task's is not sent to the database. The token is the bearer token of
+    the ``Authorization`` header or, for a signed stream URL (an ``access``
+    parameter, ``stream_urls``), the token it was issued to."""
     valid = is_valid_id(task_id, "task")
-    found, task = await event_reader.token_and_task(prefix, task_id if valid else None)
-    token = await event_reader.judged_token(found, secret, "tasks:read")
+    signed = request.GET.get(stream_urls.PARAM)
+    if signed is None:
+        prefix, secret = bearer_credentials(request.headers.get("Authorization"))
+        found, task = await event_reader.token_and_task(prefix, task_id if valid else None)
+        token = await event_reader.judged_token(found, secret, "tasks:read")
+    else:
+        grant = stream_urls.grant(signed, task_id, timezone.now())
+        found, task = await event_reader.granted_token_and_task(grant.token_id, grant.task_id)
+        token = await event_reader.granted_token(found, grant.owner_id, "tasks:read")
     after = resume_point(request)
     if task is None:
         raise selectors.task_not_found(task_id)

@@ -23,6 +23,7 @@ PACKAGES = (
     "workers",
     "openai_app",
     "ops_app",
+    "playground_app",
     "lmsp_client",
 )
 # The composition root wires everything together and may import anything;
