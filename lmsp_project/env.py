@@ -1,6 +1,7 @@
 """Reading settings from the environment, without extra dependencies."""
 
 import os
+from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 
@@ -40,7 +41,7 @@ def check_secret_key(key: str, builtin: str, *, debug: bool, development: bool) 
         )
 
 
-def database_from_url(url: str, pool_size: int = 0) -> dict:
+def database_from_url(url: str, pool_size: int = 0) -> dict[str, Any]:
     """Django DATABASES entry for a ``postgresql://`` URL.
 
     A ``host`` query parameter names a unix socket folder, as libpq allows
@@ -68,7 +69,7 @@ def database_from_url(url: str, pool_size: int = 0) -> dict:
     }
 
 
-def _pool_options(size: int) -> dict:
+def _pool_options(size: int) -> dict[str, Any]:
     return {
         "min_size": 1,
         "max_size": size,
