@@ -1,4 +1,6 @@
-from typing import Any
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from django import forms
 from django.contrib import admin, messages
@@ -11,6 +13,13 @@ from . import services
 from .model_choice import AllowedModelsField
 from .models import SCOPES, ApiToken
 
+if TYPE_CHECKING:  # the generic bases django-stubs knows; Django's own take no arguments
+    TokenForm = forms.ModelForm[ApiToken]
+    TokenAdminBase = admin.ModelAdmin[ApiToken]
+else:
+    TokenForm = forms.ModelForm
+    TokenAdminBase = admin.ModelAdmin
+
 SECONDS_PER_DAY = 86_400
 
 
@@ -22,7 +31,7 @@ ISSUED_SECRET = "lmsp_issued_secret"
 TOKEN_MODELS_HELP = "The models this token may use, among its owner's. None ticked: all of them."
 
 
-class ApiTokenCreationForm(forms.ModelForm):
+class ApiTokenCreationForm(TokenForm):
     scopes = forms.MultipleChoiceField(
         choices=[(scope, scope) for scope in SCOPES], widget=forms.CheckboxSelectMultiple
     )
@@ -36,7 +45,7 @@ class ApiTokenCreationForm(forms.ModelForm):
         fields = ("owner", "name")
 
 
-class ApiTokenChangeForm(forms.ModelForm):
+class ApiTokenChangeForm(TokenForm):
     allowed_models = AllowedModelsField(TOKEN_MODELS_HELP)
 
     class Meta:
@@ -48,10 +57,12 @@ class TokenStateFilter(admin.SimpleListFilter):
     title = "state"
     parameter_name = "state"
 
-    def lookups(self, request: HttpRequest, model_admin: admin.ModelAdmin) -> list[tuple]:
+    def lookups(
+        self, request: HttpRequest, model_admin: admin.ModelAdmin[Any]
+    ) -> list[tuple[str, str]]:
         return [("active", "Active"), ("expired", "Expired"), ("revoked", "Revoked")]
 
-    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+    def queryset(self, request: HttpRequest, queryset: QuerySet[ApiToken]) -> QuerySet[ApiToken]:
         now = timezone.now()
         unexpired = Q(expires_at__isnull=True) | Q(expires_at__gt=now)
         if self.value() == "active":
@@ -64,7 +75,7 @@ class TokenStateFilter(admin.SimpleListFilter):
 
 
 @admin.register(ApiToken)
-class ApiTokenAdmin(admin.ModelAdmin):
+class ApiTokenAdmin(TokenAdminBase):
     """Tokens are issued by ``services.issue_token``: the secret is shown on the
     page that answers the creation, once, and only its hash is ever stored."""
 
@@ -123,19 +134,19 @@ class ApiTokenAdmin(admin.ModelAdmin):
     def get_fieldsets(self, request: HttpRequest, obj: ApiToken | None = None) -> Any:
         return self.add_fieldsets if obj is None else super().get_fieldsets(request, obj)
 
-    def get_readonly_fields(self, request: HttpRequest, obj: ApiToken | None = None) -> tuple:
+    def get_readonly_fields(self, request: HttpRequest, obj: ApiToken | None = None) -> Any:
         return () if obj is None else self.readonly_fields
 
     def get_form(
-        self, request: HttpRequest, obj: ApiToken | None = None, change: bool = False, **kwargs
-    ) -> type[forms.ModelForm]:
+        self, request: HttpRequest, obj: ApiToken | None = None, change: bool = False, **kwargs: Any
+    ) -> type[forms.ModelForm[ApiToken]]:
         if obj is None:
             kwargs["form"] = self.add_form
             kwargs["fields"] = None  # the form's own fields, not the change page's
         return super().get_form(request, obj, change, **kwargs)
 
     def save_model(
-        self, request: HttpRequest, obj: ApiToken, form: forms.ModelForm, change: bool
+        self, request: HttpRequest, obj: ApiToken, form: forms.ModelForm[ApiToken], change: bool
     ) -> None:
         if change:
             super().save_model(request, obj, form, change)
@@ -169,7 +180,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
         return answer
 
     @admin.action(description="Revoke the selected tokens", permissions=["change"])
-    def revoke(self, request: HttpRequest, queryset: QuerySet) -> None:
+    def revoke(self, request: HttpRequest, queryset: QuerySet[ApiToken]) -> None:
         revoked = sum(
             services.revoke_token(prefix) for prefix in queryset.values_list("prefix", flat=True)
         )

@@ -20,11 +20,12 @@ from what each answer used. The service runs with its prefix cache off
 (``prefix_cache = false``): raw transformers computes every prompt, and
 with the cache on every request after the first took the prompt from it
 (the first token's overhead then read -38 ms, a comparison of unequal
-work). A round runs every variant once, raw and service alternated, so a
-change in the machine's speed hits both. The first
-token's overhead is measured apart, after the rounds: ``--pairs``
-alternations of a raw prefill (``generate`` of one token) and a service
-request of 4 tokens; each pair is a round of that target.
+work). A round runs every variant once, the raw side first in odd rounds
+and the service first in even ones (``in_turn``), so that neither side
+always runs on a machine warmed, or loaded, by the other. The first
+token's overhead is measured apart, after the rounds: ``--pairs`` pairs of
+a raw prefill (``generate`` of one token) and a service request of 4
+tokens, their order alternated too; each pair is a round of that target.
 
 The targets (issue 10), fixed before measuring; each is judged on the
 median of the rounds' figures (``bench/verdict.py``), the best round beside
@@ -51,7 +52,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -68,6 +71,19 @@ TARGETS = [
     Target("first token over raw prefill", 15.0, at_most=True, unit=" ms", fmt=".1f"),
     Target("late joiner / its limit", 1.0, at_most=True, unit="x", conditions=AT_TOKENS),
 ]
+
+
+A = TypeVar("A")
+B = TypeVar("B")
+
+
+def in_turn(raw_first: bool, raw: Callable[[], A], service: Callable[[], B]) -> tuple[A, B]:
+    """Both sides of a comparison, the raw one first or second as told."""
+    if raw_first:
+        first = raw()
+        return first, service()
+    second = service()
+    return raw(), second
 
 
 def pct(values: list[float], q: float) -> float:
@@ -222,19 +238,28 @@ def main() -> int:
         asyncio.run(service_round(base, token, 1, 4))
 
         for number in range(1, args.rounds + 1):
-            raw1 = measure("raw single", raw_generate(lm, prompt_ids, 1, args.tokens))
-            s1 = measure("service c=1", asyncio.run(service_round(base, token, 1, args.tokens)))
+            raw_first = number % 2 == 1
+            raw1, s1 = in_turn(
+                raw_first,
+                lambda: measure("raw single", raw_generate(lm, prompt_ids, 1, args.tokens)),
+                lambda: measure(
+                    "service c=1", asyncio.run(service_round(base, token, 1, args.tokens))
+                ),
+            )
             record("service c=1 / raw single", s1.tokens_per_s / raw1.tokens_per_s)
             if args.alone:
                 continue
-            by_c = {
-                c: measure(
-                    f"service c={c}", asyncio.run(service_round(base, token, c, args.tokens))
-                )
-                for c in (4, 8, 16)
-            }
+            raw8, by_c = in_turn(
+                raw_first,
+                lambda: measure("raw batch of 8", raw_generate(lm, prompt_ids, 8, args.tokens)),
+                lambda: {
+                    c: measure(
+                        f"service c={c}", asyncio.run(service_round(base, token, c, args.tokens))
+                    )
+                    for c in (4, 8, 16)
+                },
+            )
             s8_round = by_c[8]
-            raw8 = measure("raw batch of 8", raw_generate(lm, prompt_ids, 8, args.tokens))
             record("service c=8 / service c=1", s8_round.tokens_per_s / s1.tokens_per_s)
             record("service c=8 / raw batch of 8", s8_round.tokens_per_s / raw8.tokens_per_s)
             late = asyncio.run(late_joiner(base, token, args.tokens))
@@ -246,9 +271,12 @@ def main() -> int:
                 f"{pct(raw8.steps, 0.5) * 1e3:.1f} = {limit * 1e3:.1f} ms",
                 flush=True,
             )
-        for _ in range(args.pairs):
-            prefill = raw_generate(lm, prompt_ids, 1, 1).ttft[0]
-            first = asyncio.run(service_round(base, token, 1, 4)).ttft[0]
+        for pair in range(args.pairs):
+            prefill, first = in_turn(
+                pair % 2 == 0,
+                lambda: raw_generate(lm, prompt_ids, 1, 1).ttft[0],
+                lambda: asyncio.run(service_round(base, token, 1, 4)).ttft[0],
+            )
             record("first token over raw prefill", (first - prefill) * 1e3)
 
     print(f"{args.tokens} output tokens per request, greedy, {args.rounds} rounds; ms")

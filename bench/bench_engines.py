@@ -17,10 +17,9 @@ Times run from submitting to the last token, prefill included; engine and
 CB set-up (thread start, cache allocation) is outside the clock. Variants
 that are compared run next to each other, in an order that flips every
 round, so a change in machine load hits them alike. Printed: each round,
-the medians and the best rounds (the least disturbed on a shared machine),
-then the ratios the batching work aims at, three ways: of the medians, of
-the best rounds, and the median of each round's own ratio (the most robust
-to load that drifts over minutes).
+the medians and the best rounds (for information), then the verdict on each
+ratio the batching work aims at (``bench/verdict.py``): the median of each
+round's own ratio against its target, fixed before measuring.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lmsp_project.settings")
 os.environ.setdefault("LMSP_DEVELOPMENT", "1")  # a bench is a development run
 
@@ -43,6 +43,7 @@ django.setup()
 
 import torch  # noqa: E402
 from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
+from verdict import Target, verdicts  # noqa: E402
 
 from generation import prompts  # noqa: E402
 from generation.params import GenerationParams  # noqa: E402
@@ -174,12 +175,18 @@ class Bench:
         self.engine8.close()
 
 
-RATIOS = [
-    ("engine8", "static8", "target >= 0.85"),
-    ("engine8", "engine1", "target >= 4"),
-    ("engine1", "single", "target >= 0.97"),
-    ("cb8", "engine8", "transformers CB against the engine"),
+AT_DEFAULTS = {"model": "smollm2:135m", "tokens": 64}
+# (top, bottom): the ratio top / bottom of each round, judged on their median.
+RATIOS = {
+    ("engine8", "static8"): 0.85,
+    ("engine8", "engine1"): 4.0,
+    ("engine1", "single"): 0.97,
+}
+TARGETS = [
+    Target(f"{top}/{bottom}", bound, at_most=False, unit="x", fmt=".2f", conditions=AT_DEFAULTS)
+    for (top, bottom), bound in RATIOS.items()
 ]
+COMPARED = [("cb8", "engine8")]  # transformers' CB against the engine: no target
 
 
 def round_order(round_index: int) -> list[str]:
@@ -225,15 +232,16 @@ def main() -> None:
     bests = {v: max(r) for v, r in results.items()}
     print("median : " + "  ".join(f"{v} {medians[v]:6.1f}" for v in VARIANTS) + "  tokens/s")
     print("best   : " + "  ".join(f"{v} {bests[v]:6.1f}" for v in VARIANTS) + "  tokens/s")
-    print("ratios (of medians | of best rounds | median of each round's own ratio):")
-    for top, bottom, target in RATIOS:
-        paired = statistics.median(
-            a / b for a, b in zip(results[top], results[bottom], strict=True)
-        )
-        print(
-            f"  {top}/{bottom}: {medians[top] / medians[bottom]:.2f}x | "
-            f"{bests[top] / bests[bottom]:.2f}x | {paired:.2f}x  ({target})"
-        )
+    ratios = {
+        f"{top}/{bottom}": [a / b for a, b in zip(results[top], results[bottom], strict=True)]
+        for top, bottom in [*RATIOS, *COMPARED]
+    }
+    for top, bottom in COMPARED:
+        name = f"{top}/{bottom}"
+        print(f"{name}: median {statistics.median(ratios[name]):.2f}x (no target)")
+    settings = {"model": args.model, "tokens": args.tokens}
+    for line in verdicts(TARGETS, ratios, settings):
+        print(line)
 
 
 if __name__ == "__main__":

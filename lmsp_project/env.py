@@ -2,6 +2,7 @@
 
 import os
 from ipaddress import IPv4Network, IPv6Network, ip_network
+from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 
@@ -59,7 +60,7 @@ def trusted_proxies(name: str) -> list[IPv4Network | IPv6Network]:
     return networks
 
 
-def database_from_url(url: str, pool_size: int = 0) -> dict:
+def database_from_url(url: str, pool_size: int = 0) -> dict[str, Any]:
     """Django DATABASES entry for a ``postgresql://`` URL.
 
     A ``host`` query parameter names a unix socket folder, as libpq allows
@@ -87,7 +88,7 @@ def database_from_url(url: str, pool_size: int = 0) -> dict:
     }
 
 
-def _pool_options(size: int) -> dict:
+def _pool_options(size: int) -> dict[str, Any]:
     return {
         "min_size": 1,
         "max_size": size,

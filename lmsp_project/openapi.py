@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
 import yaml
 from django.http import HttpRequest, JsonResponse
@@ -21,9 +22,10 @@ DESCRIPTION = Path(__file__).resolve().parent / "openapi.yaml"
 
 
 @functools.cache
-def description() -> dict:
+def description() -> dict[str, Any]:
     with DESCRIPTION.open() as file:
-        return yaml.safe_load(file)
+        loaded: dict[str, Any] = yaml.safe_load(file)
+        return loaded
 
 
 @csrf_free

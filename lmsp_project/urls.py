@@ -1,5 +1,8 @@
+from typing import NoReturn
+
 from django.contrib import admin
 from django.contrib.staticfiles.views import serve as serve_static
+from django.http import HttpRequest
 from django.urls import include, path, re_path
 
 from lmsp_core.errors import ProblemError
@@ -14,7 +17,7 @@ from .openapi import openapi_json
 
 
 @csrf_free
-def api_not_found(request, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+def api_not_found(request: HttpRequest, *args: object, **kwargs: object) -> NoReturn:
     raise ProblemError("not_found", f"There is nothing at {request.path}.")
 
 

@@ -51,7 +51,7 @@ UNSUPPORTED_PARTS = ("image_url", "input_audio", "file")
 
 @dataclass(frozen=True)
 class ChatRequest:
-    request: dict  # the LMSP request, not validated yet
+    request: dict[str, Any]  # the LMSP request, not validated yet
     stream: bool
     include_usage: bool
     param_of: ParamMap  # an LMSP field name -> the chat request's
@@ -76,7 +76,7 @@ def _text_of(content: object, param: str, role: str) -> list[Any]:
     return texts
 
 
-def _message_items(message: object, param: str) -> list[dict]:
+def _message_items(message: object, param: str) -> list[dict[str, Any]]:
     message = require_object(message, param)
     role = message.get("role")
     body = sent(message)
@@ -131,7 +131,7 @@ def _message_items(message: object, param: str) -> list[dict]:
     raise invalid(f"{param}.role", "Expected 'system', 'developer', 'user', 'assistant' or 'tool'.")
 
 
-def _tool(tool: object, param: str) -> dict:
+def _tool(tool: object, param: str) -> dict[str, Any]:
     tool = require_object(tool, param)
     check_fields(sent(tool), {"type", "function"}, {}, f"{param}.")
     if tool.get("type") != "function":
@@ -223,7 +223,7 @@ def lmsp_request(body: object) -> ChatRequest:
 # --- answers ----------------------------------------------------------------------
 
 
-def usage(lmsp_usage: dict) -> dict:
+def usage(lmsp_usage: dict[str, Any]) -> dict[str, Any]:
     return {
         "prompt_tokens": lmsp_usage["input_tokens"],
         "completion_tokens": lmsp_usage["output_tokens"],
@@ -232,7 +232,7 @@ def usage(lmsp_usage: dict) -> dict:
     }
 
 
-def tool_call(item: dict) -> dict:
+def tool_call(item: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": item["call_id"],
         "type": "function",
@@ -240,13 +240,15 @@ def tool_call(item: dict) -> dict:
     }
 
 
-def finish_reason(status: str, incomplete_details: dict | None, called_tools: bool) -> str:
+def finish_reason(
+    status: str, incomplete_details: dict[str, Any] | None, called_tools: bool
+) -> str:
     if status == "incomplete" and (incomplete_details or {}).get("reason") == "max_output_tokens":
         return "length"
     return "tool_calls" if called_tools else "stop"
 
 
-def completion(result: dict) -> dict:
+def completion(result: dict[str, Any]) -> dict[str, Any]:
     """The ``chat.completion`` of a finished LMSP response object."""
     texts, calls, thoughts = [], [], []
     for item in result["output"]:
@@ -296,7 +298,7 @@ class ChunkTranslator:
     include_usage: bool = False
     tool_index: dict[str, int] = field(default_factory=dict)  # LMSP item id -> tool call index
 
-    def _chunk(self, delta: dict | None, finish: str | None = None) -> dict:
+    def _chunk(self, delta: dict[str, Any] | None, finish: str | None = None) -> dict[str, Any]:
         chunk: dict[str, Any] = {
             "id": self.completion_id,
             "object": "chat.completion.chunk",
@@ -311,7 +313,7 @@ class ChunkTranslator:
             chunk["usage"] = None
         return chunk
 
-    def translate(self, event: str, data: dict) -> list[dict]:
+    def translate(self, event: str, data: dict[str, Any]) -> list[dict[str, Any]]:
         if event == "response.created":
             return [self._chunk({"role": "assistant", "content": ""})]
         if event == "response.output_text.delta":

@@ -42,7 +42,7 @@ def error_type(status: int) -> str:
     return ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
 
-def error_object(problem: dict) -> dict:
+def error_object(problem: dict[str, Any]) -> dict[str, Any]:
     """OpenAI's error object for an LMSP problem object (raised or stored)."""
     status = problem.get("status") or STATUS_BY_CODE.get(str(problem.get("code")), 500)
     return {
@@ -53,7 +53,7 @@ def error_object(problem: dict) -> dict:
     }
 
 
-def error_body(problem: dict) -> dict:
+def error_body(problem: dict[str, Any]) -> dict[str, Any]:
     """The whole answer body of an error on the /v1/ routes."""
     return {"error": error_object(problem)}
 

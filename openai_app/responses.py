@@ -52,7 +52,7 @@ NEUTRAL: dict[str, tuple[object, ...]] = {
 
 @dataclass(frozen=True)
 class ResponsesRequest:
-    request: dict  # the LMSP request, not validated yet
+    request: dict[str, Any]  # the LMSP request, not validated yet
     stream: bool
     background: bool
     param_of: ParamMap  # an LMSP field name -> the OpenAI request's
@@ -84,7 +84,7 @@ def _part(part: object) -> object:
     return part
 
 
-def _response_format(text: object) -> dict | None:
+def _response_format(text: object) -> dict[str, Any] | None:
     text = require_object(text, "text")
     check_fields(sent(text), {"format"}, {"verbosity": ("medium",)}, "text.")
     if text.get("format") is None:
@@ -159,7 +159,7 @@ def lmsp_request(body: object) -> ResponsesRequest:
 # --- answers ----------------------------------------------------------------------
 
 
-def usage(lmsp_usage: dict | None) -> dict | None:
+def usage(lmsp_usage: dict[str, Any] | None) -> dict[str, Any] | None:
     if lmsp_usage is None:
         return None
     return {
@@ -171,7 +171,7 @@ def usage(lmsp_usage: dict | None) -> dict | None:
     }
 
 
-def output_item(item: dict, status: str = "completed") -> dict:
+def output_item(item: dict[str, Any], status: str = "completed") -> dict[str, Any]:
     """An LMSP output item as OpenAI's (the same, plus statuses and annotations)."""
     if item["type"] == "message":
         parts = [
@@ -184,15 +184,15 @@ def output_item(item: dict, status: str = "completed") -> dict:
     return item
 
 
-def _text_format(response_format: dict | None) -> dict:
+def _text_format(response_format: dict[str, Any] | None) -> dict[str, Any]:
     if not response_format or response_format.get("type") != "json_schema":
         return {"format": {"type": "text"}}
     return {"format": {"type": "json_schema", **response_format["json_schema"]}}
 
 
 def response_object(
-    result: dict, params: dict, *, background: bool, status: str | None = None
-) -> dict:
+    result: dict[str, Any], params: dict[str, Any], *, background: bool, status: str | None = None
+) -> dict[str, Any]:
     """OpenAI's response object for an LMSP response object and the
     generation parameters it was made with (``GenerationParams.as_json``);
     ``status`` overrides LMSP's (a queued background response)."""
@@ -245,21 +245,21 @@ class EventTranslator:
     from it and the items the stream delivered.
     """
 
-    base: dict
+    base: dict[str, Any]
     next_sequence: int = 0
-    items: dict[int, dict] = field(default_factory=dict)  # output_index -> done item
+    items: dict[int, dict[str, Any]] = field(default_factory=dict)  # output_index -> done item
     index_of: dict[str, int] = field(default_factory=dict)  # item id -> output_index
 
-    def _event(self, kind: str, **data: object) -> tuple[str, dict]:
+    def _event(self, kind: str, **data: object) -> tuple[str, dict[str, Any]]:
         event = {"type": kind, "sequence_number": self.next_sequence, **data}
         self.next_sequence += 1
         return kind, event
 
-    def _response(self, **changes: object) -> dict:
+    def _response(self, **changes: object) -> dict[str, Any]:
         output = [self.items[index] for index in sorted(self.items)]
         return {**self.base, "output": output, **changes}
 
-    def translate(self, event: str, data: dict) -> list[tuple[str, dict]]:
+    def translate(self, event: str, data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         if event == "response.created":
             started = self._response(status="in_progress")
             return [
@@ -302,7 +302,7 @@ class EventTranslator:
             ]
         return []  # an event OpenAI has no counterpart for
 
-    def _added(self, index: int, item: dict) -> list[tuple[str, dict]]:
+    def _added(self, index: int, item: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         self.index_of[item["id"]] = index
         announced = output_item(item, status="in_progress")
         events = [self._event("response.output_item.added", output_index=index, item=announced)]
@@ -321,7 +321,7 @@ class EventTranslator:
             )
         return events
 
-    def _done(self, index: int, item: dict) -> list[tuple[str, dict]]:
+    def _done(self, index: int, item: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         done = self.items[index] = output_item(item)
         where = {"item_id": item["id"], "output_index": index}
         events = []

@@ -8,6 +8,8 @@ value only; ``null`` stands for "not sent", as OpenAI treats it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from lmsp_core.errors import ProblemError
 from lmsp_core.validation import json_type
 
@@ -16,25 +18,25 @@ def invalid(param: str, detail: str, code: str = "invalid_request") -> ProblemEr
     return ProblemError(code, f"{param}: {detail}", param=param)
 
 
-def require_object(value: object, param: str) -> dict:
+def require_object(value: object, param: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise invalid(param, f"Expected an object, got {json_type(value)}.")
     return value
 
 
-def require_list(value: object, param: str) -> list:
+def require_list(value: object, param: str) -> list[Any]:
     if not isinstance(value, list):
         raise invalid(param, f"Expected an array, got {json_type(value)}.")
     return value
 
 
-def sent(body: dict) -> dict:
+def sent(body: dict[str, Any]) -> dict[str, Any]:
     """The members of an OpenAI object that were sent (``null`` is not sending)."""
     return {name: value for name, value in body.items() if value is not None}
 
 
 def check_fields(
-    body: dict, supported: set[str], neutral: dict[str, tuple], prefix: str = ""
+    body: dict[str, Any], supported: set[str], neutral: dict[str, tuple[Any, ...]], prefix: str = ""
 ) -> None:
     """Refuse members this service does not support, and members of
     ``neutral`` with any value other than the ones that change nothing."""

@@ -76,7 +76,7 @@ async def model_detail(request: HttpRequest, model_id: str) -> HttpResponse:
 # --- shared -----------------------------------------------------------------------
 
 
-def _failed(result: dict) -> ProblemError:
+def _failed(result: dict[str, Any]) -> ProblemError:
     error = result["error"]
     return ProblemError(error["code"], error["detail"])
 
@@ -96,7 +96,7 @@ def _event_stream(
     )
 
 
-def _data_frame(data: dict | str) -> bytes:
+def _data_frame(data: dict[str, Any] | str) -> bytes:
     body = data if isinstance(data, str) else protocol.dumps(data)
     return f"data: {body}\n\n".encode()
 
@@ -108,7 +108,7 @@ def _translated(translate: Callable[[object], T], request: HttpRequest) -> T:
     return translate(json_body(request))
 
 
-def _submit(token: ApiToken, validated: dict, kind: str, key: str | None) -> Task:
+def _submit(token: ApiToken, validated: dict[str, Any], kind: str, key: str | None) -> Task:
     """``submit`` for the request's token, with the models it may use."""
     allowed = allowed_models(token)
     return submit(
@@ -123,7 +123,7 @@ def _submit(token: ApiToken, validated: dict, kind: str, key: str | None) -> Tas
 
 async def _submitted(
     token: ApiToken,
-    validated: dict,
+    validated: dict[str, Any],
     kind: str,
     key: str | None,
     param_of: ParamMap,
@@ -134,7 +134,8 @@ async def _submitted(
         if kind == TaskKind.DIRECT:  # cancelled if the client leaves (direct's rules)
             leave = direct.cancels_if_left(key, stream)
             return await direct.accepted(start, leave)
-        return await start
+        task: Task = await start
+        return task
 
 
 # --- chat completions ---------------------------------------------------------------
@@ -187,7 +188,7 @@ async def _chat_frames(
 # --- responses --------------------------------------------------------------------
 
 
-def _snapshot(task_id: str) -> tuple[dict, dict, str, bool]:
+def _snapshot(task_id: str) -> tuple[dict[str, Any], dict[str, Any], str, bool]:
     """The response of a task as LMSP shows it, its generation parameters, the
     task's status and whether it is a background response."""
     task = Task.objects.select_related("response").get(id=task_id)
@@ -199,7 +200,7 @@ def _snapshot(task_id: str) -> tuple[dict, dict, str, bool]:
     )
 
 
-def _openai_response(task_id: str) -> dict:
+def _openai_response(task_id: str) -> dict[str, Any]:
     result, params, status, background = _snapshot(task_id)
     return responses.response_object(result, params, background=background, status=status)
 
@@ -211,7 +212,7 @@ def _translator(task_id: str) -> responses.EventTranslator:
     return responses.EventTranslator(base=base)
 
 
-def _sse(kind: str, data: dict) -> bytes:
+def _sse(kind: str, data: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {protocol.dumps(data)}\n\n".encode()
 
 
@@ -295,7 +296,8 @@ def _readable(
 
 
 async def _token(request: HttpRequest) -> ApiToken:
-    return await db_call(authenticate_bearer, request.headers.get("Authorization"))
+    token: ApiToken = await db_call(authenticate_bearer, request.headers.get("Authorization"))
+    return token
 
 
 def _starting_after(request: HttpRequest) -> int:

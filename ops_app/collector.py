@@ -227,7 +227,8 @@ class LmspCollector(Collector):
         )
         stale = GaugeMetricFamily(
             "lmsp_job_stale",
-            "1 when the periodic job has not succeeded for several intervals (or ever).",
+            "1 when the periodic job has not succeeded for several intervals "
+            "(a job never run: since beat started).",
             labels=["job"],
         )
         for health in jobs.job_health():

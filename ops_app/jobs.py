@@ -2,8 +2,12 @@
 expired tasks) and the pruner (retention) last ran to their end, and whether
 that is too long ago (beat or the ops worker is down, or the job keeps failing).
 
-The workers record each success in Redis (``recorders.job_succeeded``); the
-admin's dashboard and ``/metrics`` read it here.
+The workers record each success in Redis (``recorders.job_succeeded``), and
+beat its own start (``recorders.jobs_scheduled``); the admin's dashboard and
+``/metrics`` read them here. A job that has never run is stale only once its
+first run is overdue as much as a later one would be (counted from beat's
+start), not right after a start; with no start recorded either, beat has
+never run here, and every job is stale.
 """
 
 from __future__ import annotations
@@ -47,15 +51,23 @@ def job_health(now: float | None = None) -> list[JobHealth]:
     """Every periodic job's last success. Raises ``redis.RedisError`` when Redis
     cannot be asked (the caller says "unknown", not "stale")."""
     now = time.time() if now is None else now
-    raw = recorders.client().hgetall(recorders.JOBS_KEY)
+    client = recorders.client()
+    raw = client.hgetall(recorders.JOBS_KEY)
     recorded = {
         key.decode() if isinstance(key, bytes) else key: float(value) for key, value in raw.items()
     }
+    scheduled = client.get(recorders.JOBS_SCHEDULED_KEY)
     health = []
     for job, interval in intervals().items():
         last = recorded.get(job)
         age = None if last is None else max(now - last, 0.0)
-        stale = age is None or age > stale_after(interval)
+        if last is not None:
+            waited = age
+        elif scheduled is not None:  # never run: its first run is due an interval after this
+            waited = now - float(scheduled)
+        else:  # nor beat ever started
+            waited = None
+        stale = waited is None or waited > stale_after(interval)
         health.append(JobHealth(job, interval, last, age, stale))
     return health
 

@@ -37,6 +37,7 @@ ENGINE_COUNTS_KEY = PREFIX + "engine"  # field: model \t count name (ENGINE_COUN
 ENGINE_COUNTS = ("prompt_tokens_computed", "prefix_hits", "prefix_tokens_reused", "preemptions")
 STREAMS_PREFIX = PREFIX + "sse:"  # one counter per web process, with a time to live
 JOBS_KEY = "lmsp:jobs:last_success"  # field: job name, value: Unix time
+JOBS_SCHEDULED_KEY = "lmsp:jobs:scheduled_since"  # Unix time Celery beat last started
 TTFT = "ttft"
 INTER_TOKEN = "itl"
 # Upper bounds in seconds. Time to first token includes the wait in the queue.
@@ -160,6 +161,15 @@ def job_succeeded(job: str) -> None:
         client().hset(JOBS_KEY, job, repr(time.time()))
     except REDIS_ERRORS as exc:
         log.warning("last run of %s not recorded: %s", job, exc)
+
+
+def jobs_scheduled() -> None:
+    """Celery beat started just now: a job that has never run is due an
+    interval from here, and is not late before."""
+    try:
+        client().set(JOBS_SCHEDULED_KEY, repr(time.time()))
+    except REDIS_ERRORS as exc:
+        log.warning("the start of the periodic jobs not recorded: %s", exc)
 
 
 class TokenTimer:

@@ -73,6 +73,14 @@ def broker(stack_settings: int):  # noqa: ANN201
         paused.start()
 
 
+@pytest.fixture(scope="module")
+def lm():  # noqa: ANN201
+    """The real model, loaded in the test process (for answers computed alone)."""
+    from workers.loading import load_model
+
+    return load_model(get_model("smollm2:135m"))
+
+
 @pytest.fixture
 def restart_after(stack: Stack) -> Iterator[None]:
     """Whatever a test kills is running again for the next test."""
@@ -194,3 +202,15 @@ def settled(record, left_at: float, within: float = 5):  # noqa: ANN001, ANN201
         time.sleep(0.05)
         record.refresh_from_db()
     return record
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """What ``scripts/test --fast`` (``-m "not e2e and not model"``) leaves
+    out, whatever a test's module says: a test using the running stack or its
+    broker is an e2e test, one using the real model (``lm``) a model test."""
+    for item in items:
+        needs = set(getattr(item, "fixturenames", ()))
+        if needs & {"stack", "broker"}:
+            item.add_marker(pytest.mark.e2e)
+        if "lm" in needs:
+            item.add_marker(pytest.mark.model)

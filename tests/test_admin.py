@@ -264,7 +264,7 @@ def test_response_page_shows_error_and_delta_events(admin_client, conversation, 
     assert "worker_lost" in html
 
 
-def test_response_pages_are_read_only(admin_client, conversation):
+def test_response_pages_cannot_be_added_or_edited(admin_client, conversation):
     # Deleting is the one change allowed (issue 29: every stored word can be
     # erased): test_a_response_is_deleted_with_its_task_and_events.
     first, _ = conversation

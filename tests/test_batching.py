@@ -17,12 +17,13 @@ import torch
 
 from generation import prompts
 from generation.params import GenerationParams
-from generation.registry import get_model
 from generation.tokens import prompt_tokenizer
 from workers import constraints, engine
 from workers.batching import BatchingEngine, Generation, engine_for
 from workers.linear import Product, can_pack
 from workers.loading import engine_threads, load_model, product_threads
+
+pytestmark = pytest.mark.model  # the real model, loaded in this process
 
 PERSON = {
     "type": "object",
@@ -97,11 +98,6 @@ def wait_for_tokens(gen: Generation, count: int, timeout: float = 120) -> None:
     while len(gen.token_ids) < count and not gen.done:
         assert time.monotonic() < deadline, "no tokens came"
         time.sleep(0.005)
-
-
-@pytest.fixture(scope="module")
-def lm():  # noqa: ANN201
-    return load_model(get_model("smollm2:135m"))
 
 
 @pytest.fixture(scope="module")

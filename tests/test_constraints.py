@@ -11,10 +11,10 @@ import xgrammar as xgr
 
 from generation import prompts, schemas
 from generation.params import GenerationParams
-from generation.registry import get_model
 from generation.tokens import PIECE_CHARS, prompt_tokenizer
 from workers import constraints, engine
-from workers.loading import load_model
+
+pytestmark = pytest.mark.model  # the real model, loaded in this process
 
 WEATHER = {
     "type": "function",
@@ -62,11 +62,6 @@ def call_json(name: str, arguments: dict) -> str:
 def call_text(name: str, arguments: dict) -> str:
     """A call in Hermes tags, as the model writes it where it chooses to call."""
     return f"<tool_call>\n{call_json(name, arguments)}\n</tool_call>"
-
-
-@pytest.fixture(scope="module")
-def lm():  # noqa: ANN201
-    return load_model(get_model("smollm2:135m"))
 
 
 def accepts(lm, params: GenerationParams, text: str) -> bool:

@@ -139,3 +139,86 @@ def test_models_the_engine_cannot_run_are_refused_with_the_reason() -> None:
     assert "rotary embedding 'dynamic'" in (unsupported(dynamic) or "")
     with pytest.raises(ValueError, match="cannot run this model: architecture 'gemma'"):
         Decoder(AutoModelForCausalLM.from_config(gemma), "torch", "sdpa")
+
+
+# --- at length: eight requests of several hundred tokens, attention far from uniform ---------
+
+LONG_SIZES = {**SIZES, "max_position_embeddings": 1024}
+LENGTHS = (300, 471, 257, 412, 333, 389, 266, 448)  # eight prompts, no two alike
+SHARPEN = 12.0  # queries and keys scaled up: scores of several units, not near zero
+DECODED = 2  # tokens decoded after each prompt, all eight rows together
+
+
+def long_model(kind: str) -> torch.nn.Module:
+    """``kind``'s small model with a context of 1,024 positions, eager attention
+    (transformers hands its weights back) and queries and keys scaled so that
+    each row attends to a few tokens, not evenly to all: a wrong mask or a
+    wrong position then changes the logits well past the tolerance."""
+    config = {
+        "llama": LlamaConfig,
+        "qwen2 (biases on q, k, v)": Qwen2Config,
+        "qwen3 (queries and keys normalised)": Qwen3Config,
+    }[kind](**LONG_SIZES, attn_implementation="eager")
+    causal = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
+    torch.manual_seed(1)
+    model = causal[kind.split()[0]](config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.02)
+            if name.endswith(("q_proj.weight", "k_proj.weight", "q_norm.weight", "k_norm.weight")):
+                parameter.mul_(SHARPEN if "proj" in name else SHARPEN**0.5)
+    return model
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(2)
+    return [
+        torch.randint(0, SIZES["vocab_size"], (length + DECODED,), generator=generator).tolist()
+        for length in LENGTHS
+    ]
+
+
+def peak_attention(model: torch.nn.Module, ids: list[int]) -> float:
+    """The last token's largest attention weight, times the number of tokens it
+    attends over (1 when uniform), averaged over layers and heads."""
+    with torch.inference_mode():
+        attentions = model(torch.tensor([ids]), output_attentions=True).attentions
+    peaks = [layer[0, :, -1, :].max(dim=-1).values * len(ids) for layer in attentions]
+    return float(torch.cat(peaks).mean())
+
+
+@pytest.mark.parametrize("decoding", ["ours", "torch's"])
+@pytest.mark.parametrize("kind", MODELS)
+def test_eight_long_prompts_of_different_lengths_decode_together_as_transformers(
+    kind: str, decoding: str
+) -> None:
+    model = long_model(kind)
+    decoder = Decoder(model, "torch", "sdpa")
+    if decoding == "ours":
+        if decode_attention.compiler() is None:
+            pytest.skip("no C compiler to build the decoding attention with")
+        assert decoder.decode_attention is not None
+    else:
+        decoder.decode_attention = None
+    memory = KVCache(2, 2, 16, torch.float32, torch.device("cpu"), max_slots=len(LENGTHS))
+    rows = prompts()
+    # the premise: each row attends sharply (uniform attention hides masks and positions)
+    assert min(peak_attention(model, ids) for ids in rows[:2]) > 20
+    expected = [reference(model, ids) for ids in rows]
+    close = {"atol": 1e-4, "rtol": 1e-4}
+    with torch.inference_mode():
+        for request, (ids, length) in enumerate(zip(rows, LENGTHS, strict=True)):
+            logits = prefill(decoder, memory, request, ids[:length])
+            assert torch.allclose(logits, expected[request][length - 1], **close), request
+        for step in range(DECODED):
+            logits = decode(
+                decoder,
+                memory,
+                {
+                    request: (ids[length + step], length + step)
+                    for request, (ids, length) in enumerate(zip(rows, LENGTHS, strict=True))
+                },
+            )
+            for request, length in enumerate(LENGTHS):
+                wanted = expected[request][length + step]
+                assert torch.allclose(logits[request], wanted, **close), (request, step)

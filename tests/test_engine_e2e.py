@@ -17,11 +17,9 @@ import pytest
 from django.db import connections
 from prometheus_client.parser import text_string_to_metric_families
 
-from generation.registry import get_model
 from responses_app.models import Response
 from responses_app.prompting import prompt_of
 from tasks_app.models import Event, Task
-from workers.loading import load_model
 
 from .conftest import LONG_STORY, deltas_text, parse_sse, request_body, user_message
 from .stack import Stack
@@ -42,6 +40,9 @@ capabilities = ["tools", "structured_output", "conversations"]
 kv_budget_tokens = {BUDGET}
 prefill_chunk_tokens = 32
 """
+# Two prompts whose greedy answers differ from their first token and run past
+# 300 tokens each, so that answers handed to the wrong request are seen.
+STORIES = (LONG_STORY, "Write a long, detailed story about a fisherman lost in a storm.")
 SYSTEM = (
     "You are the help desk of a lighthouse museum. Visitors ask about the keepers, the lamps, "
     "the fog horns, the storms and the ships saved. Answer kindly, in plain words, in at most "
@@ -79,11 +80,6 @@ def small_stack(stack: Stack, tmp_path_factory, django_db_blocker) -> Iterator[S
 def small_api(small_stack: Stack, token: str) -> Iterator:
     with small_stack.client(token) as client:
         yield client
-
-
-@pytest.fixture(scope="module")
-def lm():  # noqa: ANN201
-    return load_model(get_model("smollm2:135m"))
 
 
 def engine_counts(api) -> dict[str, float]:  # noqa: ANN001
@@ -180,8 +176,8 @@ def test_a_preempted_generation_completes_with_contiguous_events_equal_to_its_te
     checkpoint; its events run on without a gap or a repeat."""
     before = engine_counts(small_api).get("lmsp_preemptions_total", 0)
     tasks = []
-    for _ in range(2):  # the same long story twice: both run to their limit
-        body = {"type": "response", "request": request_body(LONG_STORY, max_output_tokens=300)}
+    for story in STORIES:  # two long stories, told differently: both run to their limit
+        body = {"type": "response", "request": request_body(story, max_output_tokens=300)}
         answer = small_api.post("/lmsp/v1/tasks", json=body)
         assert answer.status_code == 202, answer.text
         tasks.append(answer.json()["id"])
@@ -194,7 +190,10 @@ def test_a_preempted_generation_completes_with_contiguous_events_equal_to_its_te
         assert deltas_text(events) == output_text({"output": task.response.output})
         texts.append(deltas_text(events))
     assert sum(Task.objects.get(id=t).handed_back for t in tasks) >= 1
-    assert texts[0] == texts[1] == answer_alone(lm, Task.objects.get(id=tasks[0]).response_id)
+    # each its own prompt's answer: one handed to the other request would differ
+    assert texts[0] != texts[1]
+    for task_id, text in zip(tasks, texts, strict=True):
+        assert text == answer_alone(lm, Task.objects.get(id=task_id).response_id)
     assert counted_after(small_api, "lmsp_preemptions_total", before) > before
 
 

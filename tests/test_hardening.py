@@ -87,6 +87,7 @@ with Connection(sys.argv[1], transport="lmsp_core.redis_transport:Transport") as
 """
 
 
+@pytest.mark.model
 def test_a_message_taken_by_a_worker_killed_before_its_claim_is_sent_again(broker, settings):
     client, queue = broker
     settings.LMSP_REQUEUE_AFTER_SECONDS = 2
@@ -114,6 +115,7 @@ def test_a_message_taken_by_a_worker_killed_before_its_claim_is_sent_again(broke
         client.zrem("unacked_index", tag)
 
 
+@pytest.mark.model
 def test_a_removed_model_fails_its_tasks_and_the_sweep_goes_on(broker):
     client, queue = broker
     first, other, second = new_task(), new_task(), new_task()
@@ -139,6 +141,7 @@ def test_a_removed_model_fails_its_tasks_and_the_sweep_goes_on(broker):
     assert run_task(other.id, "w2") in ("completed", "incomplete")
 
 
+@pytest.mark.model
 def test_a_worker_fails_a_claimed_task_whose_model_is_gone():
     task = new_task()
     Task.objects.filter(id=task.id).update(model="removed:1b")
@@ -412,6 +415,7 @@ def nested_arrays(depth: int) -> dict:
     return schema
 
 
+@pytest.mark.model
 def test_a_hostile_schema_is_refused_within_the_time_limit(settings):
     settings.LMSP_GRAMMAR_TIMEOUT_SECONDS = 2
     spec = get_model("smollm2:135m")
@@ -424,6 +428,7 @@ def test_a_hostile_schema_is_refused_within_the_time_limit(settings):
     assert param == "response_format.json_schema.schema" and "longer than the limit" in detail
 
 
+@pytest.mark.model
 def test_a_compile_over_the_memory_limit_is_refused():
     info = grammar_limits.tokenizer_info(
         str(__import__("generation.weights").weights.weights_folder(get_model("smollm2:135m")))
@@ -437,6 +442,7 @@ def test_a_compile_over_the_memory_limit_is_refused():
 # --- the job deadline ---------------------------------------------------------------
 
 
+@pytest.mark.model
 def test_a_job_past_its_deadline_ends_incomplete(settings):
     settings.LMSP_MAX_JOB_SECONDS = 0
     task = new_task(max_output_tokens=12)

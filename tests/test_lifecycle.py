@@ -51,6 +51,7 @@ def events_of(task: Task) -> list[tuple[int, str, dict]]:
     return [(seq, name, json.loads(data)) for seq, name, data in rows]
 
 
+@pytest.mark.model
 def test_run_task_writes_one_contiguous_log_and_the_result():
     task = new_task(max_output_tokens=12)
     assert run_task(task.id, "test-worker") in ("completed", "incomplete")
@@ -81,6 +82,7 @@ def test_a_worker_whose_attempt_was_superseded_cannot_write():
     assert Task.objects.get(id=task.id).status == Status.IN_PROGRESS
 
 
+@pytest.mark.model
 def test_cancel_flag_stops_the_run_at_its_first_step():
     task = new_task(max_output_tokens=50)
     Task.objects.filter(id=task.id).update(cancel_requested=True)  # as if asked mid-claim
@@ -90,6 +92,7 @@ def test_cancel_flag_stops_the_run_at_its_first_step():
     assert events_of(task)[-1][1] == "response.cancelled"
 
 
+@pytest.mark.model
 def test_an_announced_cancel_stops_the_run_before_its_next_flush(settings, broker, monkeypatch):
     """A cancel reaches the batch at once (``workers.cancellation``), not at
     the run's next flush: here the flushes after the first are a minute apart,
@@ -226,6 +229,7 @@ def test_expired_leases_are_requeued_until_attempts_run_out(settings):
     assert name == "response.failed" and data["error"]["code"] == "worker_lost"
 
 
+@pytest.mark.model
 def test_a_generation_error_fails_the_task_with_a_problem():
     task = new_task()
     task.response.params["temperature"] = "hot"  # the engine cannot sample with this

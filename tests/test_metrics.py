@@ -12,6 +12,7 @@ from lmsp_core.redis_client import redis_client
 from ops_app import jobs, recorders
 
 from .conftest import LONG_STORY, make_token, parse_sse, request_body
+from .stack import LOGS
 
 pytestmark = pytest.mark.e2e
 
@@ -107,9 +108,46 @@ def test_sweeper_success_is_recorded_and_a_never_run_pruner_is_stale(stack, metr
         samples = scrape(stack, metrics_token)
     assert value(samples, "lmsp_job_stale", job=jobs.SWEEP) == 0
     redis_client().hdel(recorders.JOBS_KEY, jobs.PRUNE)
-    samples = scrape(stack, metrics_token)
+    started = redis_client().get(recorders.JOBS_SCHEDULED_KEY)
+    assert started is not None  # beat recorded its start
+    # beat started a day ago: the pruner's first run, every 300 s, is long overdue
+    redis_client().set(recorders.JOBS_SCHEDULED_KEY, repr(time.time() - 86_400))
+    try:
+        samples = scrape(stack, metrics_token)
+    finally:
+        redis_client().set(recorders.JOBS_SCHEDULED_KEY, started)
     assert value(samples, "lmsp_job_stale", job=jobs.PRUNE) == 1
     assert ("lmsp_job_last_success_timestamp_seconds", (("job", jobs.PRUNE),)) not in samples
+
+
+def test_a_job_never_run_is_stale_only_once_its_first_run_is_overdue(admin_client, stack):
+    """A job's first run is due an interval after beat starts: right after a
+    start (an ops worker started afresh, no schedule kept) the pruner, every
+    300 s, has not run and is not stale; the same never-run pruner is stale
+    once beat's start is further back than three intervals and a margin."""
+    redis_client().hdel(recorders.JOBS_KEY, jobs.PRUNE)
+    stack.ops.stop()
+    for kept in LOGS.glob(f"beat-{stack.port}*"):  # beat's schedule: a fresh start
+        kept.unlink()
+    restarted = time.time()
+    stack.ops.start()
+    deadline = time.monotonic() + 60
+    while True:  # beat ticks: it runs the sweeper every second
+        sweep = next(h for h in jobs.job_health() if h.job == jobs.SWEEP)
+        if sweep.last_success is not None and sweep.last_success > restarted:
+            break
+        assert time.monotonic() < deadline, "no sweep after the restart"
+        time.sleep(0.5)
+    prune = next(h for h in jobs.job_health() if h.job == jobs.PRUNE)
+    assert (prune.last_success, prune.stale) == (None, False)
+    page = admin_client.get("/admin/lmsp/dashboard/").content.decode()
+    row = page[page.index(f'data-job="{jobs.PRUNE}"') :]
+    assert "never" in row[: row.index("</tr>")] and "stale" not in row[: row.index("</tr>")]
+    started = float(redis_client().get(recorders.JOBS_SCHEDULED_KEY) or 0)
+    assert started >= restarted  # beat recorded this start
+    due = started + jobs.stale_after(jobs.intervals()[jobs.PRUNE]) + 1
+    prune = next(h for h in jobs.job_health(now=due) if h.job == jobs.PRUNE)
+    assert (prune.last_success, prune.stale) == (None, True)
 
 
 def test_dashboard_shows_job_health_and_flags_a_stale_job(admin_client, stack):

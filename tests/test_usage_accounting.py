@@ -22,13 +22,14 @@ from responses_app.serializers import validate_response_request
 from responses_app.submit import prepare_generation, start_generation
 from tasks_app import lifecycle, usage
 from tasks_app.models import DailyUsage, Task, TaskKind, UsageRecord
+from tasks_app.signals import task_finished
 from workers.runner import run_task
 
 from .conftest import request_body
 from .test_admin import make_response
 from .test_lifecycle import checkpoint_of
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.model]
 
 FIGURES = ("requests", "input_tokens", "output_tokens", "cached_tokens", "worker_seconds")
 
@@ -37,6 +38,20 @@ FIGURES = ("requests", "input_tokens", "output_tokens", "cached_tokens", "worker
 def private_queue(settings) -> None:
     """Only the runner called here generates these tests' tasks."""
     settings.LMSP_QUEUE_PREFIX = "lmsp.test-in-process"
+
+
+@pytest.fixture
+def engine_seconds() -> list[float]:
+    """The worker seconds each ending attempt measured, as the runner hands
+    them to ``lifecycle.finish`` (read from the ``task_finished`` signal)."""
+    seen: list[float] = []
+
+    def heard(sender, task, outcome, **kwargs) -> None:  # noqa: ANN001
+        seen.append(outcome.worker_seconds)
+
+    task_finished.connect(heard, weak=False)
+    yield seen
+    task_finished.disconnect(heard)
 
 
 def new_task(username: str = "alice", **extra) -> Task:
@@ -61,7 +76,7 @@ def as_day(*records: UsageRecord) -> dict:
     }
 
 
-def test_a_run_completes_its_record_and_adds_it_to_its_day_once():
+def test_a_run_completes_its_record_and_adds_it_to_its_day_once(engine_seconds):
     task = new_task(max_output_tokens=8)
     assert run_task(task.id, "w1") in ("completed", "incomplete")
     task.refresh_from_db()
@@ -69,7 +84,8 @@ def test_a_run_completes_its_record_and_adds_it_to_its_day_once():
     assert record.status == task.status and record.completed_at == task.completed_at
     assert record.output_tokens == task.response.output_tokens > 0
     assert record.input_tokens == task.response.input_tokens
-    # the attempt's time in the engine: within its claim and its end, the model's loading out
+    # the attempt's time in the engine, exactly as measured: within its claim and its end
+    assert record.worker_seconds == engine_seconds[0]
     assert 0 < record.worker_seconds < (task.completed_at - task.started_at).total_seconds()
     assert day_of(task) == as_day(record)
     # a redelivered message, a stale attempt's finish and a second end change nothing
@@ -105,7 +121,7 @@ def test_a_cancel_while_queued_counts_the_request_with_no_output_and_no_worker_t
     assert day_of(task) == as_day(record) and day_of(task)["requests"] == 1
 
 
-def test_a_handed_back_task_is_counted_once_when_it_ends():
+def test_a_handed_back_task_is_counted_once_when_it_ends(engine_seconds):
     task = new_task(max_output_tokens=8)
     claimed = lifecycle.claim(task.id, "w1")
     flush = lifecycle.Flush(task.id, claimed.attempt, [], [], checkpoint_of(task, tokens=0))
@@ -115,7 +131,9 @@ def test_a_handed_back_task_is_counted_once_when_it_ends():
     assert run_task(task.id, "w2") in ("completed", "incomplete")
     record = UsageRecord.objects.get(response_id=task.response_id)
     assert day_of(task) == as_day(record) and day_of(task)["requests"] == 1
-    assert record.worker_seconds > 2.5  # the handed-back attempt's time, and the last one's
+    # the handed-back attempt's time, and the last one's, exactly
+    assert engine_seconds[0] > 0
+    assert record.worker_seconds == 2.5 + engine_seconds[0]
 
 
 def test_a_failed_task_run_again_counts_as_its_new_run_only():

@@ -25,8 +25,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Prompt tokens per step when models.toml leaves it to the device: on the
-# 2-core CPU a chunk of 64 costs about three decoding steps of a batch of 4
-# (bench/bench_engine_memory.py); a GPU takes far larger ones in stride.
+# 2-core CPU, with chunks of 64, a 3,000-token prompt joining 4 decoding
+# streams stretched their longest gap to 2.4 times their median one
+# (bench/bench_engine.py --only join; bench/README.md); a GPU takes far
+# larger chunks in stride.
 CHUNK_TOKENS = {"cpu": 64, "cuda": 512}
 # A CPU has the memory for several full contexts; a GPU's budget is derived
 # from its free memory instead (``derived_budget``).

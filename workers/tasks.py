@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from celery import shared_task
-from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
+from celery.signals import beat_init, worker_ready, worker_shutdown, worker_shutting_down
 from django.conf import settings
 
 from ops_app import recorders
@@ -41,6 +41,12 @@ def prune_events() -> int:
     pruned = prune_history()
     recorders.job_succeeded("prune_events")
     return pruned
+
+
+@beat_init.connect
+def jobs_scheduled(sender: Any, **_: object) -> None:  # celery's beat Service
+    """Beat started: the periodic jobs' first runs are counted from now."""
+    recorders.jobs_scheduled()
 
 
 _heartbeat: heartbeat.Heartbeat | None = None

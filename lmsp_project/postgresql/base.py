@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 from django.db.backends.postgresql import base
 from psycopg import Connection
@@ -35,7 +36,7 @@ class DatabaseWrapper(base.DatabaseWrapper):
         if pool is not None and pool._check is not None:
             if not isinstance(pool._check, _DrainingCheck):
                 pool._check = _DrainingCheck(pool, pool._check)
-        return pool
+        return cast("ConnectionPool | None", pool)
 
 
 class _DrainingCheck:

@@ -1,3 +1,5 @@
+from typing import Any
+
 from django.core.management.base import BaseCommand
 
 from accounts_app.models import SCOPES, ApiToken
@@ -9,7 +11,7 @@ DEV_USER = "dev"
 class Command(BaseCommand):
     help = "Create a token with every scope for the 'dev' user, once, and print it."
 
-    def handle(self, *args, **options) -> None:  # noqa: ANN002, ANN003
+    def handle(self, *args: object, **options: Any) -> None:
         if ApiToken.objects.filter(owner__username=DEV_USER, revoked_at__isnull=True).exists():
             self.stdout.write(
                 f"The {DEV_USER!r} user already has a token (shown when it was created). "

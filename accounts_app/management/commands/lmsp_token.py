@@ -1,4 +1,6 @@
-from django.core.management.base import BaseCommand, CommandError
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from accounts_app.services import PREFIX_LENGTH, create_token, revoke_token
 
@@ -6,7 +8,7 @@ from accounts_app.services import PREFIX_LENGTH, create_token, revoke_token
 class Command(BaseCommand):
     help = "Create or revoke LMSP API tokens."
 
-    def add_arguments(self, parser) -> None:  # noqa: ANN001
+    def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(dest="action", required=True)
         create = sub.add_parser("create", help="Create a token; prints it on the last line.")
         create.add_argument("--user", required=True)
@@ -18,7 +20,7 @@ class Command(BaseCommand):
         )
         revoke.add_argument("prefix")
 
-    def handle(self, *args, **options) -> None:  # noqa: ANN002, ANN003
+    def handle(self, *args: object, **options: Any) -> None:
         if options["action"] == "create":
             try:
                 issued = create_token(

@@ -9,9 +9,10 @@ Exits 1 with the reason when unhealthy. The web process has ``GET /healthz``.
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 import redis
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from ops_app import jobs
 from tasks_app import heartbeat
@@ -30,10 +31,10 @@ def sweeper_fresh() -> bool:
 class Command(BaseCommand):
     help = "Exit 0 when this container's model worker or ops worker is healthy."
 
-    def add_arguments(self, parser) -> None:  # noqa: ANN001
+    def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("process", choices=["worker", "ops"])
 
-    def handle(self, *args, **options) -> None:  # noqa: ANN002, ANN003
+    def handle(self, *args: object, **options: Any) -> None:
         try:
             if options["process"] == "worker":
                 healthy = worker_alive(socket.gethostname())

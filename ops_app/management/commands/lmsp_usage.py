@@ -8,8 +8,10 @@ source: ``ops_app.usage_report``), as text or CSV on stdout.
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.contrib.auth import get_user_model
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from ops_app import usage_report
 
@@ -17,7 +19,7 @@ from ops_app import usage_report
 class Command(BaseCommand):
     help = "Print what each owner used of each model in a period (by UTC day or month)."
 
-    def add_arguments(self, parser) -> None:  # noqa: ANN001
+    def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--from", dest="from", help="first UTC day, e.g. 2026-11-01")
         parser.add_argument("--to", help="last UTC day, included (default: today)")
         parser.add_argument("--preset", choices=list(usage_report.PRESETS))
@@ -26,7 +28,7 @@ class Command(BaseCommand):
         parser.add_argument("--by", choices=["day", "month"], default="day")
         parser.add_argument("--format", choices=["table", "csv"], default="table")
 
-    def handle(self, *args, **options) -> None:  # noqa: ANN002, ANN003
+    def handle(self, *args: object, **options: Any) -> None:
         owner_id = None
         if options["owner"]:
             owner = get_user_model().objects.filter(username=options["owner"]).first()
