@@ -6,7 +6,7 @@ from django.db import migrations
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('responses_app', '0003_previous_response_set_null'),
+        ('responses_app', '0004_response_cached_tokens'),
     ]
 
     operations = [
