@@ -23,8 +23,8 @@ variant streams, through this tree's code) runs:
 2. they idle ``--idle-seconds``: database queries per idle follower per
    second, counted as the scans of the tables streams read
    (``pg_stat_user_tables``; the transactions of the bench database are
-   printed beside them), with the feed's safety check (one per task, not
-   per follower) pushed past the run (``LMSP_STREAM_CHECK_SECONDS``);
+   printed beside them), with the web process's safety check (one query per
+   process, not per feed) pushed past the run (``LMSP_STREAM_CHECK_SECONDS``);
 3. the driver claims the task and writes ``--events`` deltas at ``--rate``
    per second, one transaction each, then the final event: per-event arrival
    spread across followers (each arrival minus that event's first arrival),

@@ -205,8 +205,8 @@ LMSP_KEEPALIVE_SECONDS = env_float("LMSP_KEEPALIVE_SECONDS", 15.0)
 # Event streams (tasks_app.streams): each web process keeps one feed per followed
 # task. While its Redis subscription is down, a feed reads the database this often;
 LMSP_STREAM_POLL_SECONDS = env_float("LMSP_STREAM_POLL_SECONDS", 1.0)
-# while it is up, a feed of an unfinished task checks the database this often
-# (one query per task, not per follower) in case a message was lost.
+# while it is up, each web process checks the tasks of all its feeds this often
+# (one query per process, not per feed or follower) in case a message was lost.
 LMSP_STREAM_CHECK_SECONDS = env_float("LMSP_STREAM_CHECK_SECONDS", 15.0)
 # Recent events a feed keeps as frames; a follower further back replays from
 # the database in pages of LMSP_STREAM_PAGE_EVENTS.
