@@ -141,3 +141,19 @@ def test_after_an_erasure_the_owner_s_prefixes_are_computed_cold(stack: Stack, t
         assert lmsp_cached(bob_api, other) > 20  # bob's prefixes stay
         assert lmsp_cached(alice_api, text) == 0  # alice's went
         assert lmsp_cached(alice_api, text) > 20  # and her new ones are cached again
+
+
+def test_a_delete_empties_the_worker_s_cache_of_the_erased_words(stack: Stack, token: str) -> None:
+    """The whole path, as an owner sees it: DELETE of a stored response
+    reaches the worker, whose next request of that owner computes the same
+    words cold instead of reusing them."""
+    text = memo()
+    with stack.client(token) as api:
+        stored = request_body(text, max_output_tokens=2, store=True)
+        first = api.post("/lmsp/v1/responses", json=stored)
+        assert first.status_code == 200, first.text
+        assert first.json()["usage"]["input_tokens_details"]["cached_tokens"] == 0
+        assert lmsp_cached(api, text) > 20  # the words are in the worker's cache
+        erased = api.delete(f"/lmsp/v1/responses/{first.json()['id']}")
+        assert erased.status_code == 200, erased.text
+        assert lmsp_cached(api, text) == 0
