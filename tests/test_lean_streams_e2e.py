@@ -323,7 +323,13 @@ def _generated(raw: bytes) -> bytes:
 
 
 def _same_generations(twins, path: str, generation: dict, auth: dict[str, str]) -> None:
-    """Both paths answer ``generation`` alike, synchronous and streamed."""
+    """Both paths answer ``generation`` alike, synchronous and streamed.
+
+    The prompt is sent once before: the worker's prefix cache then holds it
+    for both twins alike, so their usage reports the same cached tokens (the
+    first of two identical requests would compute it cold, the second not)."""
+    warm_up_headers, warm_up_body = _posted(generation, **auth)
+    assert _status(_exchange(twins[1], path, warm_up_headers, "POST", warm_up_body)) == 200
     for stream in (False, True):
         headers, body = _posted({**generation, "stream": stream}, **auth)
         lean, django = (_exchange(port, path, headers, "POST", body) for port in twins)
