@@ -1,3 +1,7 @@
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from django.contrib import admin
 from django.contrib.admin.utils import unquote
 from django.db.models import QuerySet
@@ -9,9 +13,14 @@ from . import records, transcript
 from .models import Response
 from .prompting import prompt_of
 
+if TYPE_CHECKING:  # the generic base django-stubs knows; Django's own takes no arguments
+    ResponseAdminBase = admin.ModelAdmin[Response]
+else:
+    ResponseAdminBase = admin.ModelAdmin
+
 
 @admin.register(Response)
-class ResponseAdmin(admin.ModelAdmin):
+class ResponseAdmin(ResponseAdminBase):
     """Read-only: a stored response is exactly what the protocol returned.
     Deleting one erases it with its task and events (``records.erase``), as
     ``DELETE /responses/{id}`` does."""
@@ -77,7 +86,7 @@ class ResponseAdmin(admin.ModelAdmin):
     def delete_model(self, request: HttpRequest, obj: Response) -> None:
         records.erase(Response.objects.filter(pk=obj.pk))
 
-    def delete_queryset(self, request: HttpRequest, queryset: QuerySet) -> None:
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Response]) -> None:
         records.erase(queryset)
 
     def change_view(
@@ -85,7 +94,7 @@ class ResponseAdmin(admin.ModelAdmin):
         request: HttpRequest,
         object_id: str,
         form_url: str = "",
-        extra_context: dict | None = None,
+        extra_context: dict[str, Any] | None = None,
     ) -> HttpResponse:
         response = self.get_object(request, unquote(object_id))
         if response is not None:

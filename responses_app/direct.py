@@ -61,7 +61,7 @@ async def accepted(start: Awaitable[Task], cancel_if_left: bool) -> Task:
         raise
 
 
-def _cancel_orphan(started: asyncio.Future) -> None:
+def _cancel_orphan(started: asyncio.Future[Task]) -> None:
     if started.cancelled() or started.exception() is not None:
         return
     task = started.result()
@@ -100,7 +100,7 @@ def _events(
     return follow_events(task.id, 0, known, access=access, whole=True, release=release)
 
 
-def _delivered_result(task_id: str) -> dict:
+def _delivered_result(task_id: str) -> dict[str, Any]:
     task = Task.objects.select_related("response").get(id=task_id)
     body = protocol.response_object(task.response)
     records.discard_unneeded(delivered_task_id=task_id)
@@ -132,7 +132,8 @@ async def final_result(
         if _leaving(task, cancel_if_left):
             await db_call(task_services.cancel_abandoned, task.id)
         raise unauthorized("The bearer token was revoked or expired, or its account deactivated.")
-    return await db_call(_delivered_result, task.id)
+    body: dict[str, Any] = await db_call(_delivered_result, task.id)
+    return body
 
 
 async def delivered_events(

@@ -43,7 +43,10 @@ def as_stored(value: Any) -> Any:
 
 
 def rendered(
-    spec: ModelSpec, previous: Response | None, input: list[dict], params: GenerationParams
+    spec: ModelSpec,
+    previous: Response | None,
+    input: list[dict[str, Any]],
+    params: GenerationParams,
 ) -> str:
     """The prompt of a turn with ``input`` that continues ``previous`` (None: a
     conversation's first turn), as ``spec``'s chat template writes it."""

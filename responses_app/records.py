@@ -13,6 +13,7 @@ that they drop what their prefix caches hold of that owner
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -38,8 +39,8 @@ def new(
     owner: User,
     *,
     model: str,
-    input: list[dict],
-    params: dict,
+    input: list[dict[str, Any]],
+    params: dict[str, Any],
     store: bool,
     previous: Response | None,
     input_tokens: int,

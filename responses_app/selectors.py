@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.contrib.auth.models import User
 from django.db.models import QuerySet
 
@@ -51,6 +53,6 @@ def conversation_chain(response: Response) -> list[Response]:
     return chain[::-1]
 
 
-def conversation_items(response: Response) -> list[dict]:
+def conversation_items(response: Response) -> list[dict[str, Any]]:
     """The whole context a response continued from, then its own input and output."""
     return [item for turn in conversation_chain(response) for item in turn.input + turn.output]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -37,7 +38,7 @@ from .serializers import validate_response_request
 @dataclass(frozen=True)
 class PreparedGeneration:
     spec: ModelSpec
-    input: list[dict]
+    input: list[dict[str, Any]]
     previous: Response | None
     input_tokens: int
     params: GenerationParams
@@ -54,7 +55,9 @@ def _require(spec: ModelSpec, capability: str, param: str) -> None:
         )
 
 
-def prepare_generation(owner: User, request: dict, param_prefix: str = "") -> PreparedGeneration:
+def prepare_generation(
+    owner: User, request: dict[str, Any], param_prefix: str = ""
+) -> PreparedGeneration:
     """Everything a worker needs, from a validated request."""
 
     def at(name: str) -> str:
@@ -157,7 +160,7 @@ ENDPOINTS: dict[str, tuple[str, str]] = {
 
 def submit(
     owner: User,
-    request: dict,
+    request: dict[str, Any],
     *,
     kind: str,
     idempotency_key: str | None,
@@ -191,7 +194,7 @@ def submit(
 
 def submit_task(
     owner: User,
-    request: dict,
+    request: dict[str, Any],
     idempotency_key: str | None,
     allowed_models: frozenset[str] | None,
     token_id: int | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from tasks_app.models import Event, Task
 
@@ -55,7 +56,7 @@ def _pretty(text: str) -> str:
         return text
 
 
-def entry(item: dict, source: str) -> Entry:
+def entry(item: dict[str, Any], source: str) -> Entry:
     kind = item.get("type", "")
     if kind == "message":
         text = "".join(part.get("text", "") for part in item.get("content", []))

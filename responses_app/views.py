@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import cast
+from typing import Any, cast
 
 from django.http import (
     HttpRequest,
@@ -68,7 +68,7 @@ class ResponseDetailView(APIView):
         return DRFResponse(protocol.deleted_object(response_id))
 
 
-def _final_answer(body: dict, headers: dict[str, str]) -> HttpResponse:
+def _final_answer(body: dict[str, Any], headers: dict[str, str]) -> HttpResponse:
     if body["status"] == "failed":
         raise ProblemError(body["error"]["code"], body["error"]["detail"])
     return JsonResponse(body, headers=headers)
@@ -101,7 +101,7 @@ async def create_response(request: HttpRequest) -> HttpResponseBase:
     return _final_answer(result, budgets.headers_of(task))
 
 
-def _submitted(token: ApiToken, body: dict, key: str | None) -> Task:
+def _submitted(token: ApiToken, body: dict[str, Any], key: str | None) -> Task:
     """``submit`` for the request's token, with the models it may use."""
     return submit(
         token.owner,
@@ -113,7 +113,7 @@ def _submitted(token: ApiToken, body: dict, key: str | None) -> Task:
     )
 
 
-def _validated_body(request: HttpRequest) -> dict:
+def _validated_body(request: HttpRequest) -> dict[str, Any]:
     """Parse and validate the body: CPU work for up to a megabyte, so it runs
     on a worker thread, never on the event loop."""
     return validate_response_request(json_body(request))

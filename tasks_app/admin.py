@@ -2,8 +2,11 @@
 quotas and usage on the auth user's page: the quotas live with the tasks they
 limit, so this app extends the user admin rather than the accounts app."""
 
+from __future__ import annotations
+
 from collections.abc import Callable
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 from django import forms
 from django.contrib import admin, messages
@@ -23,11 +26,24 @@ from lmsp_core.errors import ProblemError
 from . import budgets, lifecycle, quotas, selectors
 from .models import OwnerQuota, Task
 
+if TYPE_CHECKING:  # the generic bases django-stubs knows; Django's own take no arguments
+    from django.contrib.auth.models import User as AuthUser
+
+    TaskAdminBase = admin.ModelAdmin[Task]
+    OwnerQuotaFormBase = forms.ModelForm[OwnerQuota]
+    OwnerQuotaInlineBase = admin.StackedInline[OwnerQuota, AuthUser]
+    UserAdminBase = BaseUserAdmin[AuthUser]
+else:
+    TaskAdminBase = admin.ModelAdmin
+    OwnerQuotaFormBase = forms.ModelForm
+    OwnerQuotaInlineBase = admin.StackedInline
+    UserAdminBase = BaseUserAdmin
+
 
 def _apply(
-    admin_: admin.ModelAdmin,
+    admin_: admin.ModelAdmin[Task],
     request: HttpRequest,
-    tasks: QuerySet,
+    tasks: QuerySet[Task],
     change: Callable[[str], object],
     verb: str,
 ) -> None:
@@ -45,7 +61,7 @@ def _apply(
 
 
 @admin.register(Task)
-class TaskAdmin(admin.ModelAdmin):
+class TaskAdmin(TaskAdminBase):
     list_display = (
         "id",
         "owner",
@@ -93,7 +109,7 @@ class TaskAdmin(admin.ModelAdmin):
         return obj is not None and super().has_delete_permission(request, obj)
 
     def delete_view(
-        self, request: HttpRequest, object_id: str, extra_context: dict | None = None
+        self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:
         raise PermissionDenied
 
@@ -102,7 +118,7 @@ class TaskAdmin(admin.ModelAdmin):
         request: HttpRequest,
         object_id: str,
         form_url: str = "",
-        extra_context: dict | None = None,
+        extra_context: dict[str, Any] | None = None,
     ) -> HttpResponse:
         extra_context = {**(extra_context or {}), "show_delete": False}
         return super().change_view(request, object_id, form_url, extra_context)
@@ -113,11 +129,11 @@ class TaskAdmin(admin.ModelAdmin):
         return obj is None and super().has_change_permission(request)
 
     @admin.action(description="Cancel the selected tasks", permissions=["change"])
-    def cancel_tasks(self, request: HttpRequest, queryset: QuerySet) -> None:
+    def cancel_tasks(self, request: HttpRequest, queryset: QuerySet[Task]) -> None:
         _apply(self, request, queryset, lifecycle.request_cancel, "Cancelled (or asked to stop)")
 
     @admin.action(description="Re-queue the selected failed tasks", permissions=["change"])
-    def requeue_failed_tasks(self, request: HttpRequest, queryset: QuerySet) -> None:
+    def requeue_failed_tasks(self, request: HttpRequest, queryset: QuerySet[Task]) -> None:
         _apply(self, request, queryset, lifecycle.requeue_failed, "Re-queued")
 
 
@@ -133,7 +149,7 @@ QUOTA_FIELDS = (
 )
 
 
-class OwnerQuotaForm(forms.ModelForm):
+class OwnerQuotaForm(OwnerQuotaFormBase):
     allowed_models = AllowedModelsField("The models this owner may use. None ticked: every model.")
 
     class Meta:
@@ -141,7 +157,7 @@ class OwnerQuotaForm(forms.ModelForm):
         fields = QUOTA_FIELDS
 
 
-class OwnerQuotaInline(admin.StackedInline):
+class OwnerQuotaInline(OwnerQuotaInlineBase):
     model = OwnerQuota
     form = OwnerQuotaForm
     can_delete = False
@@ -174,7 +190,7 @@ if admin.site.is_registered(User):
 
 
 @admin.register(User)
-class UserAdmin(BaseUserAdmin):
+class UserAdmin(UserAdminBase):
     """The auth user's page, with the owner's LMSP quotas and usage."""
 
     inlines = (*BaseUserAdmin.inlines, OwnerQuotaInline)

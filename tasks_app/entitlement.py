@@ -15,6 +15,7 @@ its owner and its model alone.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.db import connection
@@ -61,7 +62,7 @@ def refusal_of(task_id: str) -> str | None:
     return row[0] if row else None
 
 
-def refusal_problem(refusal: str, model: str) -> dict:
+def refusal_problem(refusal: str, model: str) -> dict[str, Any]:
     """The error of a task that ended, never run, for ``refusal``."""
     if refusal == MODEL_NOT_ALLOWED:
         return problem(

@@ -11,6 +11,7 @@ task commit together. Readers are woken after the commit (``announce``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
@@ -30,7 +31,7 @@ class StoredEvent:
 
 class EventLog:
     @staticmethod
-    def append(task: Task, events: list[tuple[str, dict]]) -> list[StoredEvent]:
+    def append(task: Task, events: list[tuple[str, dict[str, Any]]]) -> list[StoredEvent]:
         """Number and store ``events`` after the task's last one.
 
         ``task`` must be locked (``select_for_update``) in the current
@@ -46,7 +47,7 @@ class EventLog:
 
     @staticmethod
     def numbered(
-        task: Task, events: list[tuple[str, dict]]
+        task: Task, events: list[tuple[str, dict[str, Any]]]
     ) -> tuple[list[StoredEvent], list[Event]]:
         """``events`` numbered after the task's last one, as sent and as rows
         to insert; ``task.last_event_id`` moves on to the last. A new task's

@@ -215,10 +215,12 @@ class _Lookups:
 
     def __init__(self, key: str) -> None:
         self.key = key
-        self.waiting: list[tuple[str | int, str | None, asyncio.Future]] = []
-        self.reading: asyncio.Task | None = None
+        self.waiting: list[
+            tuple[str | int, str | None, asyncio.Future[tuple[Any, ...] | None]]
+        ] = []
+        self.reading: asyncio.Task[None] | None = None
 
-    def lookup(self, key: str | int, task_id: str | None) -> asyncio.Future:
+    def lookup(self, key: str | int, task_id: str | None) -> asyncio.Future[tuple[Any, ...] | None]:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self.waiting.append((key, task_id, future))
@@ -358,7 +360,7 @@ async def usable_tokens(token_ids: list[int]) -> set[int]:
     return {row[0] for row in rows if ApiToken.from_db("default", fields, row).is_active(now)}
 
 
-async def _run(sql: str, params: tuple | dict[str, Any], fetch: str) -> Any:
+async def _run(sql: str, params: tuple[Any, ...] | dict[str, Any], fetch: str) -> Any:
     """One statement for requests that wait on it (``fetch``: "all" rows or
     "none"): a pooled connection that died with a PostgreSQL restart fails
     once, then the pool checks its connections and the statement runs

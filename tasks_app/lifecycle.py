@@ -48,13 +48,13 @@ class Outcome:
     """How a generation ended, as stored on the response."""
 
     status: str
-    output: list = field(default_factory=list)
+    output: list[dict[str, Any]] = field(default_factory=list)
     output_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the worker's prefix cache supplied
     worker_seconds: float = 0.0  # the ending attempt's time in the engine
-    error: dict | None = None
+    error: dict[str, Any] | None = None
     input_billed: bool = True  # False: refused before any engine read it (``entitlement``)
-    incomplete_details: dict | None = None
+    incomplete_details: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Restored:
     """Where an earlier attempt of a task stopped (nothing, for a first attempt)."""
 
     token_ids: list[int] = field(default_factory=list)
-    detokenizer: dict = field(default_factory=dict)
+    detokenizer: dict[str, Any] = field(default_factory=dict)
     assembler: OutputAssembler | None = None
 
 
@@ -244,17 +244,17 @@ class Flush:
 
     task_id: str
     attempt: int
-    events: list[tuple[str, dict]]
+    events: list[tuple[str, dict[str, Any]]]
     new_token_ids: list[int]
-    checkpoint: dict
+    checkpoint: dict[str, Any]
 
 
 def record_progress(
     task_id: str,
     attempt: int,
-    events: list[tuple[str, dict]],
+    events: list[tuple[str, dict[str, Any]]],
     new_token_ids: list[int],
-    checkpoint: dict,
+    checkpoint: dict[str, Any],
 ) -> Progress:
     """Append one worker's flush and renew its lease (see ``Flush``)."""
     return record_progress_many([Flush(task_id, attempt, events, new_token_ids, checkpoint)])[0]
@@ -396,7 +396,9 @@ def renew_lease(task_id: str, attempt: int) -> bool:
 
 
 @transaction.atomic
-def finish(task_id: str, attempt: int, events: list[tuple[str, dict]], outcome: Outcome) -> bool:
+def finish(
+    task_id: str, attempt: int, events: list[tuple[str, dict[str, Any]]], outcome: Outcome
+) -> bool:
     """Write a worker's last events and the final result; False if it lost the task."""
     task = _owned(task_id, attempt)
     if task is None:
@@ -405,7 +407,7 @@ def finish(task_id: str, attempt: int, events: list[tuple[str, dict]], outcome: 
     return True
 
 
-def _finalize(task: Task, events: list[tuple[str, dict]], outcome: Outcome) -> None:
+def _finalize(task: Task, events: list[tuple[str, dict[str, Any]]], outcome: Outcome) -> None:
     """Close a locked task: its last events, its status, its response and its
     usage (``usage.end``), in one go."""
     now = timezone.now()
@@ -462,7 +464,9 @@ def restore(task: Task) -> Restored:
     return Restored(token_ids, checkpoint["detokenizer"], assembler)
 
 
-def _partial_outcome(task: Task, status: str, error: dict | None = None) -> tuple[list, Outcome]:
+def _partial_outcome(
+    task: Task, status: str, error: dict[str, Any] | None = None
+) -> tuple[list[tuple[str, dict[str, Any]]], Outcome]:
     """Close what a worker left open (its checkpoint) when the worker cannot."""
     restored = restore(task)
     assembler = restored.assembler or OutputAssembler(task.response_id)
@@ -508,7 +512,7 @@ class SweepReport:
     errors: list[str] = field(default_factory=list)  # raised while swept; tried again next time
 
 
-def model_gone_problem(model: str) -> dict:
+def model_gone_problem(model: str) -> dict[str, Any]:
     """The error of a task whose model was removed from ``models.toml`` while
     the task waited: no worker will ever serve it."""
     return problem(

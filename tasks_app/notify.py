@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import redis.asyncio as aioredis
 from django.conf import settings
@@ -28,6 +29,10 @@ CHANNEL = "lmsp:events"
 # Task ids whose cancel was committed: the worker running one drops it from
 # its batch at once (``workers.cancellation``), not at its next flush.
 CANCEL_CHANNEL = "lmsp:cancel"
+
+# A published batch as a listener reads it back from JSON:
+# ``[[id, event, data], ...]`` (``publish``).
+Batch = list[list[Any]]
 
 
 def publish(task_id: str, events: Iterable[tuple[int, str, str]]) -> None:
@@ -66,15 +71,15 @@ class EventHub:
     """
 
     def __init__(self) -> None:
-        self._listeners: dict[str, Callable[[list], None]] = {}
-        self._listener: asyncio.Task | None = None
+        self._listeners: dict[str, Callable[[Batch], None]] = {}
+        self._listener: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.healthy = False
         self.on_reconnect: Callable[[], None] | None = None
         # Revocations: {"tokens": [ids], "owners": [ids]} (accounts_app.revocation).
-        self.on_revocation: Callable[[dict], None] | None = None
+        self.on_revocation: Callable[[dict[str, Any]], None] | None = None
 
-    def listen(self, task_id: str, callback: Callable[[list], None]) -> None:
+    def listen(self, task_id: str, callback: Callable[[Batch], None]) -> None:
         """Hand ``task_id``'s published batches to ``callback`` (replacing any other)."""
         loop = asyncio.get_running_loop()
         if self._listener is None or self._listener.done() or self._loop is not loop:

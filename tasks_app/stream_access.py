@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 
@@ -75,7 +75,7 @@ class StreamAccess:
 _open: dict[StreamAccess, None] = {}  # the streams of this process, in opening order
 
 
-def revoked(message: dict) -> None:
+def revoked(message: dict[str, Any]) -> None:
     """A revocation heard on Redis: ``{"tokens": [ids], "owners": [ids]}``."""
     tokens, owners = set(message.get("tokens", ())), set(message.get("owners", ()))
     for access in list(_open):
@@ -87,7 +87,7 @@ class _Checker:
     """The periodic check of one event loop: runs while streams are open."""
 
     def __init__(self) -> None:
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task[None] | None = None
         self.soon: asyncio.Event | None = None
 
     def start(self) -> None:

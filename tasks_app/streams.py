@@ -68,13 +68,12 @@ from lmsp_core.protocol import (
     queued_frame,
     sse_frame,
 )
-from lmsp_core.status import Status
+from lmsp_core.status import FINAL_STATUSES, Status
 
 from . import event_reader, fairness, stream_access
 from .event_log import StoredEvent
 from .event_reader import READ_ERRORS
-from .models import FINAL_STATUSES
-from .notify import hub
+from .notify import Batch, hub
 from .stream_access import StreamAccess
 
 log = logging.getLogger(__name__)
@@ -108,7 +107,7 @@ class _Waiter:
     __slots__ = ("future", "timer", "due")
 
     def __init__(self) -> None:
-        self.future: asyncio.Future | None = None
+        self.future: asyncio.Future[None] | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.due = 0.0
 
@@ -154,16 +153,16 @@ class TaskFeed:
         self._waiting: dict[_Waiter, None] = {}
         self._wake = asyncio.Event()
         self._need_read = True
-        self._pending: list[list] = []  # messages that came before the first read
+        self._pending: list[Batch] = []  # messages that came before the first read
         self._joined: dict[int, bytes] = {}  # frames after id N, joined, for this `last`
-        self._pages: dict[int, asyncio.Future] = {}
+        self._pages: dict[int, asyncio.Future[list[StoredEvent]]] = {}
         loop = asyncio.get_running_loop()
         self._position_due = loop.time() + QUEUE_POSITION_AFTER_SECONDS
         self._runner = loop.create_task(self._run(), name=f"lmsp-feed-{task_id}")
 
     # --- the followers' side -------------------------------------------------------
 
-    def changed(self, waiter: _Waiter, until: float) -> asyncio.Future:
+    def changed(self, waiter: _Waiter, until: float) -> asyncio.Future[None]:
         """A future resolved when the feed changes, or at loop time ``until``
         (or before, when the follower's timer was set for an earlier
         keep-alive). A follower waits in one place at a time: a new wait
@@ -229,7 +228,7 @@ class TaskFeed:
             future.add_done_callback(lambda done: self._page_read(index, done, size))
         return await asyncio.shield(future)
 
-    def _page_read(self, index: int, future: asyncio.Future, size: int) -> None:
+    def _page_read(self, index: int, future: asyncio.Future[list[StoredEvent]], size: int) -> None:
         complete = (
             not future.cancelled() and future.exception() is None and len(future.result()) == size
         )
@@ -240,7 +239,7 @@ class TaskFeed:
 
     # --- filling -------------------------------------------------------------------
 
-    def on_message(self, events: list) -> None:
+    def on_message(self, events: Batch) -> None:
         """A batch published by a writer: ``[(id, event, data), ...]``; none:
         the task changed otherwise (``notify.publish_changed``), read it."""
         if self.closed:
@@ -283,7 +282,7 @@ class TaskFeed:
         for waiter in waiting:
             waiter.wake()
 
-    def _apply(self, events: list) -> None:
+    def _apply(self, events: Sequence[Sequence[Any]]) -> None:
         added = False
         for event_id, name, data in events:
             if event_id <= self.last:
@@ -458,7 +457,7 @@ class _Watch:
     Redis the feeds poll on their own (``LMSP_STREAM_POLL_SECONDS``)."""
 
     def __init__(self) -> None:
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -580,7 +579,7 @@ async def _one_by_one(
         yield StoredEvent(0, "error", dumps({"error": _cut_short(task_id, access)}))
 
 
-def _cut_short(task_id: str, access: StreamAccess | None) -> dict:
+def _cut_short(task_id: str, access: StreamAccess | None) -> dict[str, Any]:
     if access is not None and access.ended:
         return problem(
             "unauthorized",

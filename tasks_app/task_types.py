@@ -9,6 +9,7 @@ and streams tasks without importing what they produce.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from django.contrib.auth.models import User
 
@@ -17,7 +18,7 @@ from .models import Task
 # (owner, the body's "request" object, the Idempotency-Key or None, the models
 # the caller may use or None for all: ``model_access``, the caller's token's
 # id: ``Task.token``) -> the task
-Starter = Callable[[User, dict, str | None, frozenset[str] | None, int | None], Task]
+Starter = Callable[[User, dict[str, Any], str | None, frozenset[str] | None, int | None], Task]
 
 _starters: dict[str, Starter] = {}
 

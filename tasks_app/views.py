@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
 from django.utils import timezone
@@ -36,7 +36,7 @@ from .stream_access import StreamAccess
 from .streams import SSE_HEADERS, admit, admitted_stream
 
 
-def _task_object(task: Task) -> dict:
+def _task_object(task: Task) -> dict[str, Any]:
     return protocol.task_object(task, fairness.queue_position(task))
 
 

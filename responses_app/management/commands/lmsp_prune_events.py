@@ -1,4 +1,6 @@
-from django.core.management.base import BaseCommand, CommandError
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from responses_app.retention import prune_history
 
@@ -11,7 +13,7 @@ class Command(BaseCommand):
         "LMSP_TASK_RETENTION_SECONDS."
     )
 
-    def add_arguments(self, parser) -> None:  # noqa: ANN001
+    def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
             "--older-than",
             type=float,
@@ -19,7 +21,7 @@ class Command(BaseCommand):
             help="seconds since the task ended (default: LMSP_EVENT_RETENTION_SECONDS)",
         )
 
-    def handle(self, *args, **options) -> None:  # noqa: ANN002, ANN003
+    def handle(self, *args: Any, **options: Any) -> None:
         if options["older_than"] is not None and options["older_than"] < 0:
             raise CommandError("--older-than must be zero or more seconds")
         removed = prune_history(options["older_than"])
