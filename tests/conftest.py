@@ -156,6 +156,16 @@ def request_body(text: str = "Say hello in one short sentence.", **extra: object
     return body
 
 
+def output_text(response: dict) -> str:
+    """The text of a response object's output messages."""
+    return "".join(
+        part["text"]
+        for item in response["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+    )
+
+
 def parse_sse(raw: str) -> list[dict]:
     """Events of an SSE body: dicts with id, event, data (parsed) and comments seen."""
     events = []

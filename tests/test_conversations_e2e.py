@@ -19,7 +19,7 @@ from responses_app.models import Response
 from responses_app.prompting import prompt_of
 from tasks_app.models import Event, Task
 
-from .conftest import make_token, parse_sse, request_body, user_message
+from .conftest import make_token, output_text, parse_sse, request_body, user_message
 
 pytestmark = pytest.mark.e2e
 
@@ -38,15 +38,6 @@ def post(api, body: dict) -> dict:
     answer = api.post("/lmsp/v1/responses", json=body)
     assert answer.status_code == 200, answer.text
     return answer.json()
-
-
-def output_text(response: dict) -> str:
-    return "".join(
-        part["text"]
-        for item in response["output"]
-        if item["type"] == "message"
-        for part in item["content"]
-    )
 
 
 def test_three_turns_with_a_tool_call_reach_the_model_and_the_admin_in_order(api):

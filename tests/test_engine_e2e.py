@@ -21,7 +21,14 @@ from responses_app.models import Response
 from responses_app.prompting import prompt_of
 from tasks_app.models import Event, Task
 
-from .conftest import LONG_STORY, deltas_text, parse_sse, request_body, user_message
+from .conftest import (
+    LONG_STORY,
+    deltas_text,
+    output_text,
+    parse_sse,
+    request_body,
+    user_message,
+)
 from .stack import Stack
 from .test_batching import generate_alone
 
@@ -110,15 +117,6 @@ def answer_alone(lm, response_id: str) -> str:  # noqa: ANN001
     ids = lm.tokenizer(prompt_of(response, lm.spec), add_special_tokens=False)["input_ids"]
     limit = response.params["max_output_tokens"]
     return lm.tokenizer.decode(generate_alone(lm, ids, limit), skip_special_tokens=True)
-
-
-def output_text(body: dict) -> str:
-    return "".join(
-        part["text"]
-        for item in body["output"]
-        if item["type"] == "message"
-        for part in item["content"]
-    )
 
 
 def test_a_follow_up_turn_reuses_the_conversation_and_answers_as_without_it(small_api, lm):

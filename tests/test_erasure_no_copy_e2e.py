@@ -27,7 +27,7 @@ from lmsp_core.redis_client import redis_client
 from responses_app.models import Response
 from responses_app.prompting import prompt_of
 
-from .conftest import make_token, request_body
+from .conftest import make_token, output_text, request_body
 from .test_erasure_e2e import post, rows_of
 
 pytestmark = pytest.mark.e2e
@@ -90,15 +90,6 @@ def news() -> Iterator[ErasureNews]:
     listening = ErasureNews()
     yield listening
     listening.pubsub.close()
-
-
-def output_text(body: dict) -> str:
-    return "".join(
-        part["text"]
-        for item in body["output"]
-        if item["type"] == "message"
-        for part in item["content"]
-    )
 
 
 def conversation(api) -> tuple[dict, dict]:  # noqa: ANN001

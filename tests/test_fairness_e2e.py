@@ -134,10 +134,8 @@ def set_quota(username: str, **limits: int) -> None:
     OwnerQuota.objects.update_or_create(owner=owner, defaults=limits)
 
 
-def test_queued_quota_is_race_free_under_twenty_concurrent_submits(stack):
-    token = make_token("eager")
-    set_quota("eager", max_queued=5)
-    blocker = Blocker(stack)
+def submitted_at_once(stack, token: str, count: int) -> tuple[list, list]:
+    """``count`` task submits sent together: the answers accepted (202) and the others."""
 
     def submit(_: int):
         with stack.client(token) as client:
@@ -146,10 +144,18 @@ def test_queued_quota_is_race_free_under_twenty_concurrent_submits(stack):
                 json={"type": "response", "request": request_body(max_output_tokens=TOKENS)},
             )
 
-    with ThreadPoolExecutor(20) as pool:
-        answers = list(pool.map(submit, range(20)))
+    with ThreadPoolExecutor(count) as pool:
+        answers = list(pool.map(submit, range(count)))
     accepted = [answer for answer in answers if answer.status_code == 202]
     refused = [answer for answer in answers if answer.status_code != 202]
+    return accepted, refused
+
+
+def test_queued_quota_is_race_free_under_twenty_concurrent_submits(stack):
+    token = make_token("eager")
+    set_quota("eager", max_queued=5)
+    blocker = Blocker(stack)
+    accepted, refused = submitted_at_once(stack, token, 20)
     assert len(accepted) == 5
     assert Task.objects.filter(owner__username="eager").count() == 5
     for answer in refused:
@@ -192,18 +198,7 @@ def test_fifty_concurrent_submits_are_admitted_only_as_far_as_their_output_fits_
     quota = 100
     set_quota("bursty", output_tokens_per_minute=quota)
     blocker = Blocker(stack)
-
-    def submit(_: int):
-        with stack.client(token) as client:
-            return client.post(
-                "/lmsp/v1/tasks",
-                json={"type": "response", "request": request_body(max_output_tokens=TOKENS)},
-            )
-
-    with ThreadPoolExecutor(50) as pool:
-        answers = list(pool.map(submit, range(50)))
-    accepted = [answer for answer in answers if answer.status_code == 202]
-    refused = [answer for answer in answers if answer.status_code != 202]
+    accepted, refused = submitted_at_once(stack, token, 50)
     reserved = sum(
         Task.objects.filter(id__in=[answer.json()["id"] for answer in accepted]).values_list(
             "cost", flat=True
