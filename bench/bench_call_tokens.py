@@ -4,7 +4,7 @@
 
 The prompt is rendered as the web renders it (``generation.prompts``), the
 grammar compiled as the worker compiles it (``workers.constraints``), and the
-call generated greedily in the model's batching engine (``workers.batching``).
+call generated greedily in the model's batching engine (``engine.client``).
 The count is what ``usage.output_tokens`` reports: the generated tokens, the
 end token included. Each token is shown, so that non-canonical splits (the
 model choosing several small tokens where the tokenizer would use one) show.
@@ -26,12 +26,13 @@ import django  # noqa: E402
 
 django.setup()
 
+from engine.client import engine_for  # noqa: E402
+from engine.interface import SamplingParams  # noqa: E402
 from generation import prompts  # noqa: E402
 from generation.params import GenerationParams  # noqa: E402
 from generation.registry import get_model  # noqa: E402
 from generation.tokens import prompt_tokenizer  # noqa: E402
-from workers import constraints, engine  # noqa: E402
-from workers.batching import engine_for  # noqa: E402
+from workers import constraints  # noqa: E402
 from workers.loading import load_model  # noqa: E402
 
 WEATHER = {
@@ -75,9 +76,9 @@ def main() -> None:
             }
             prompt = prompts.render_prompt(lm.spec, tokenizer, [user], params)
             prompt_ids = lm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            generation = batching.submit(
+            generation = batching.add_request(
                 prompt_ids,
-                engine.Sampling(max_new_tokens=100, temperature=0),
+                SamplingParams(max_tokens=100, temperature=0),
                 grammar=constraints.compiled_grammar(lm, params),
             )
             generation.wait(300)

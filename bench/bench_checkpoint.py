@@ -5,7 +5,7 @@
 A task is submitted and claimed through the service's own functions, then
 flushed the way the runner flushes: every ``--flush-tokens`` tokens, one
 transaction with the delta events, the new token ids and the checkpoint
-(``tasks_app.lifecycle.record_progress``). Two variants, side by side:
+(``tasks_app.checkpoints.record_progress``). Two variants, side by side:
 
 - service: the checkpoint as written now (token count, detokenizer offsets,
   the assembler without its text) plus the new ids in a ``TokenChunk`` row;
@@ -64,14 +64,14 @@ def run(lengths: list[int], flush_tokens: int) -> None:
     from django.core.management import call_command
     from django.db import connection
 
+    from engine.detokenizer import IncrementalDetokenizer
     from generation.output import OutputAssembler
     from generation.registry import get_model
     from lmsp_core.status import Status
     from responses_app.serializers import validate_response_request
     from responses_app.submit import prepare_generation, start_generation
-    from tasks_app import lifecycle
+    from tasks_app import checkpoints, claims, endings
     from tasks_app.models import TaskKind
-    from workers.engine import IncrementalDetokenizer
     from workers.loading import load_tokenizer
 
     call_command("migrate", verbosity=0)
@@ -100,7 +100,7 @@ def run(lengths: list[int], flush_tokens: int) -> None:
             }
         )
         task = start_generation(owner, prepare_generation(owner, request), TaskKind.TASK)
-        task = lifecycle.claim(task.id, "bench")
+        task = claims.claim(task.id, "bench")
         assembler = OutputAssembler(task.response_id)
         detok = IncrementalDetokenizer(tokenizer)
         ids: list[int] = []
@@ -119,7 +119,7 @@ def run(lengths: list[int], flush_tokens: int) -> None:
                     "assembler": assembler.compact_state(),
                 }
                 handed += len(json.dumps(checkpoint)) + len(json.dumps(new))
-                lifecycle.record_progress(task.id, task.attempt, events, new, checkpoint)
+                checkpoints.record_progress(task.id, task.attempt, events, new, checkpoint)
             else:
                 checkpoint = {
                     "token_ids": list(ids),
@@ -127,11 +127,11 @@ def run(lengths: list[int], flush_tokens: int) -> None:
                     "assembler": assembler.state(),
                 }
                 handed += len(json.dumps(checkpoint))
-                lifecycle.record_progress(task.id, task.attempt, events, [], {**checkpoint})
+                checkpoints.record_progress(task.id, task.attempt, events, [], {**checkpoint})
         written = wal() - start
         # Closed as a worker closes a cancelled task: nothing is left running
         # (or in the old checkpoint format) for a sweeper to find.
-        lifecycle.finish(task.id, task.attempt, [], lifecycle.Outcome(status=Status.CANCELLED))
+        endings.finish(task.id, task.attempt, [], endings.Outcome(status=Status.CANCELLED))
         return written / length, handed / length
 
     print(f"bytes per output token, flushing every {flush_tokens} tokens")

@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_constrained.py --rounds 3 --model qwen3:0.6b
 
 Both variants go through the batching engine the worker decodes with
-(``workers.batching.engine_for(...).submit``), one request at a time, from
+(``engine.client.engine_for(...).submit``), one request at a time, from
 the same prompt, greedily, and generate the same number of tokens: the
 constrained answer's length, its end token included (the free variant is
 submitted without end tokens, so it runs to that length). They differ only
@@ -66,12 +66,12 @@ TARGETS = [Target(RATIO, 1.15, at_most=True, unit="x")]
 
 def timed(engine, prompt_ids: list[int], tokens: int, grammar, eos) -> tuple[float, list[int]]:  # noqa: ANN001
     """Seconds from submit to the request's end, and the tokens it generated."""
-    from workers.engine import Sampling
+    from engine.interface import SamplingParams
 
     started = time.perf_counter()
-    generation = engine.submit(
+    generation = engine.add_request(
         prompt_ids,
-        Sampling(max_new_tokens=tokens, temperature=0),
+        SamplingParams(max_tokens=tokens, temperature=0),
         grammar=grammar,
         eos_token_ids=eos,
     )
@@ -89,12 +89,12 @@ def main() -> None:
     import django
 
     django.setup()
+    from engine.client import engine_for
     from generation import prompts
     from generation.params import GenerationParams
     from generation.registry import get_model
     from generation.tokens import prompt_tokenizer
     from workers import constraints
-    from workers.batching import engine_for
     from workers.loading import load_model
 
     spec = get_model(args.model)

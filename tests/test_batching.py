@@ -1,8 +1,8 @@
 """The batching engine on the real SmolLM2 model, in process.
 
 Every batched greedy output is compared token for token with the same
-request generated alone through ``workers.engine.generate`` (the path the
-worker uses today): batching must change throughput, never answers.
+request generated alone through ``tests.reference.generate`` (transformers'
+own ``model.generate``): batching must change throughput, never answers.
 """
 
 from __future__ import annotations
@@ -15,13 +15,16 @@ import jsonschema
 import pytest
 import torch
 
+from engine.client import BatchingEngine, Generation, engine_for
+from engine.interface import SamplingParams
+from engine.linear import Product, can_pack
 from generation import prompts
 from generation.params import GenerationParams
 from generation.tokens import prompt_tokenizer
-from workers import constraints, engine
-from workers.batching import BatchingEngine, Generation, engine_for
-from workers.linear import Product, can_pack
+from workers import constraints
 from workers.loading import engine_threads, load_model, product_threads
+
+from . import reference
 
 pytestmark = pytest.mark.model  # the real model, loaded in this process
 
@@ -62,10 +65,10 @@ def prompt_ids(lm, text: str, params: GenerationParams | None = None) -> list[in
 def generate_alone(lm, ids: list[int], limit: int) -> list[int]:
     """Greedy tokens of one request through the unbatched path, end token included."""
     out: list[int] = []
-    engine.generate(
+    reference.generate(
         lm,
         ids,
-        engine.Sampling(max_new_tokens=limit, temperature=0),
+        SamplingParams(max_tokens=limit, temperature=0),
         lambda token_id: out.append(token_id) or False,
     )
     return out
@@ -117,8 +120,8 @@ def batching(lm):  # noqa: ANN201
     running.close(timeout=60)
 
 
-def greedy(limit: int) -> engine.Sampling:
-    return engine.Sampling(max_new_tokens=limit, temperature=0)
+def greedy(limit: int) -> SamplingParams:
+    return SamplingParams(max_tokens=limit, temperature=0)
 
 
 def answered_together(lm, requests, **options) -> list[Generation]:  # noqa: ANN001
@@ -126,7 +129,7 @@ def answered_together(lm, requests, **options) -> list[Generation]:  # noqa: ANN
     their own (``options``: the engine's), each finished."""
     running = BatchingEngine(lm, max_batch=8, **options)
     try:
-        gens = [running.submit(ids, greedy(limit)) for ids, limit, *_ in requests]
+        gens = [running.add_request(ids, greedy(limit)) for ids, limit, *_ in requests]
         for gen in gens:
             assert gen.wait(300)
     finally:
@@ -135,7 +138,7 @@ def answered_together(lm, requests, **options) -> list[Generation]:  # noqa: ANN
 
 
 def test_eight_concurrent_greedy_requests_equal_their_solo_outputs(lm, requests, batching):
-    gens = [batching.submit(ids, greedy(limit)) for ids, limit, _ in requests]
+    gens = [batching.add_request(ids, greedy(limit)) for ids, limit, _ in requests]
     for gen in gens:
         assert gen.wait(300)
     for (ids, _, alone), gen in zip(requests, gens, strict=True):
@@ -155,9 +158,9 @@ def test_grammar_and_free_requests_share_a_batch(lm, requests, batching):
     grammar = constraints.compiled_grammar(lm, params)
     json_ids = prompt_ids(lm, "Invent a person.", params)
     free_ids, free_limit, free_alone = requests[2]
-    constrained = batching.submit(json_ids, greedy(48), grammar=grammar)
-    free = batching.submit(free_ids, greedy(free_limit))
-    sampled = batching.submit(free_ids, engine.Sampling(max_new_tokens=24, temperature=0.8))
+    constrained = batching.add_request(json_ids, greedy(48), grammar=grammar)
+    free = batching.add_request(free_ids, greedy(free_limit))
+    sampled = batching.add_request(free_ids, SamplingParams(max_tokens=24, temperature=0.8))
     for gen in (constrained, free, sampled):
         assert gen.wait(300)
     assert constrained.error is None and constrained.finish_reason == "eos"
@@ -170,7 +173,7 @@ def test_grammar_and_free_requests_share_a_batch(lm, requests, batching):
 def test_cancelling_one_of_eight_leaves_the_others_exact(lm, requests, batching):
     victim = 5  # its greedy answer runs to its limit, so it is still going when cancelled
     assert len(requests[victim][2]) == requests[victim][1]
-    gens = [batching.submit(ids, greedy(limit)) for ids, limit, _ in requests]
+    gens = [batching.add_request(ids, greedy(limit)) for ids, limit, _ in requests]
     wait_for_tokens(gens[victim], 6)
     gens[victim].cancel()
     had = len(gens[victim].token_ids)
@@ -201,9 +204,9 @@ def test_a_failing_or_stopping_callback_ends_only_its_own_request(lm, requests, 
         requests[5],
         requests[4],
     )
-    exploding = batching.submit(ids0, greedy(16), explode)
-    stopping = batching.submit(ids1, greedy(16), stop_after_five)
-    healthy = batching.submit(ids2, greedy(limit2))
+    exploding = batching.add_request(ids0, greedy(16), explode)
+    stopping = batching.add_request(ids1, greedy(16), stop_after_five)
+    healthy = batching.add_request(ids2, greedy(limit2))
     for gen in (exploding, stopping, healthy):
         assert gen.wait(300)
     assert exploding.finish_reason == "error" and isinstance(exploding.error, ValueError)
@@ -214,11 +217,11 @@ def test_a_failing_or_stopping_callback_ends_only_its_own_request(lm, requests, 
 
 
 def test_a_request_joins_while_others_decode(lm, requests, batching):
-    running = [batching.submit(ids, greedy(limit)) for ids, limit, _ in requests[4:7]]
+    running = [batching.add_request(ids, greedy(limit)) for ids, limit, _ in requests[4:7]]
     wait_for_tokens(running[0], 4)
     joined_at = time.monotonic()
     ids, _, alone = requests[1]
-    joiner = batching.submit(ids, greedy(8))
+    joiner = batching.add_request(ids, greedy(8))
     assert joiner.wait(300)
     for gen in running:
         assert gen.wait(300)
@@ -234,14 +237,14 @@ def test_resuming_from_a_prefix_continues_as_an_uninterrupted_run(lm, requests, 
     grammar = constraints.compiled_grammar(lm, params)
     json_ids = prompt_ids(lm, "Invent a person.", params)
     free_ids, free_limit, free_alone = requests[5]
-    whole = batching.submit(json_ids, greedy(40), grammar=grammar)
+    whole = batching.add_request(json_ids, greedy(40), grammar=grammar)
     assert whole.wait(300) and whole.error is None
     cut = 12
     assert len(whole.token_ids) > cut and len(free_alone) > cut
-    resumed_json = batching.submit(
+    resumed_json = batching.add_request(
         json_ids, greedy(40 - cut), generated_ids=whole.token_ids[:cut], grammar=grammar
     )
-    resumed_free = batching.submit(
+    resumed_free = batching.add_request(
         free_ids, greedy(free_limit - cut), generated_ids=free_alone[:cut]
     )
     for gen in (resumed_json, resumed_free):
@@ -256,14 +259,14 @@ def test_tokens_that_break_the_grammar_fail_only_that_resume(lm, batching):
     grammar = constraints.compiled_grammar(lm, params)
     ids = prompt_ids(lm, "Invent a person.", params)
     broken = lm.tokenizer("Hello", add_special_tokens=False)["input_ids"]
-    gen = batching.submit(ids, greedy(8), generated_ids=broken, grammar=grammar)
+    gen = batching.add_request(ids, greedy(8), generated_ids=broken, grammar=grammar)
     assert gen.wait(60)
     assert gen.finish_reason == "error" and "breaks the grammar" in str(gen.error)
 
 
 def test_stream_yields_the_tokens_then_ends(lm, requests, batching):
     ids, _, alone = requests[0]
-    gen = batching.submit(ids, greedy(10))
+    gen = batching.add_request(ids, greedy(10))
     assert list(gen.stream(timeout=120)) == alone[:10]
     assert gen.done
 
@@ -277,8 +280,8 @@ def test_a_draining_engine_preempts_every_generation_and_every_later_one(lm, req
         # "Count from one to ten in words." answers in far more tokens than
         # the engine makes between the first one and the drain
         (first, _, alone), (second, _, _) = requests[5], requests[6]
-        running = batching.submit(first, greedy(400))
-        waiting = batching.submit(second, greedy(400))  # no room: it waits
+        running = batching.add_request(first, greedy(400))
+        waiting = batching.add_request(second, greedy(400))  # no room: it waits
         started = next(running.stream(timeout=120))
         batching.drain()
         assert running.wait(60) and waiting.wait(60)
@@ -287,7 +290,7 @@ def test_a_draining_engine_preempts_every_generation_and_every_later_one(lm, req
         assert 1 <= len(running.token_ids) < len(alone)
         assert running.token_ids == alone[: len(running.token_ids)]  # its tokens so far
         assert waiting.token_ids == []
-        later = batching.submit(first, greedy(4))
+        later = batching.add_request(first, greedy(4))
         assert later.wait(60) and later.finish_reason == "preempted"
     finally:
         batching.close(timeout=60)
@@ -309,11 +312,11 @@ def test_a_request_cancelled_alone_leaves_its_prefix_for_the_next_one(lm, reques
             # found at the start of the next step, which then computes nothing
             submitted[0].cancel()
 
-        submitted.append(batching.submit(ids, greedy(400), cancel_after_the_first_token))
+        submitted.append(batching.add_request(ids, greedy(400), cancel_after_the_first_token))
         cancelled = submitted[0]
         assert cancelled.wait(60) and cancelled.finish_reason == "cancelled"
         assert len(cancelled.token_ids) == 1
-        again = batching.submit(ids, greedy(len(alone)))
+        again = batching.add_request(ids, greedy(len(alone)))
         assert again.wait(120) and again.error is None, again.error
         assert again.cached_tokens > 0
         assert again.token_ids == alone
@@ -340,9 +343,9 @@ def test_prompts_computed_in_chunks_beside_decoding_rows_answer_as_alone(lm, req
     rows already decoding, and every answer is still the one it gets alone."""
     chunked = BatchingEngine(lm, max_batch=8, chunk_tokens=8)
     try:
-        first = [chunked.submit(ids, greedy(limit)) for ids, limit, _ in requests[:4]]
+        first = [chunked.add_request(ids, greedy(limit)) for ids, limit, _ in requests[:4]]
         wait_for_tokens(first[0], 2)
-        later = [chunked.submit(ids, greedy(limit)) for ids, limit, _ in requests[4:]]
+        later = [chunked.add_request(ids, greedy(limit)) for ids, limit, _ in requests[4:]]
         for gen in first + later:
             assert gen.wait(300)
     finally:
@@ -363,14 +366,14 @@ def test_a_follow_up_reuses_its_conversation_and_answers_as_computed_whole(lm, r
     cached = BatchingEngine(lm, max_batch=8)
     uncached = BatchingEngine(lm, max_batch=8, prefix_cache=False)
     try:
-        first = cached.submit(ids, greedy(limit))
+        first = cached.add_request(ids, greedy(limit))
         assert first.wait(300) and first.token_ids == alone
         # the next turn: the history as the model wrote it, then a new message
         next_turn = "<|im_end|>\n<|im_start|>user\nShorter?<|im_end|>\n<|im_start|>assistant\n"
         turn = lm.tokenizer(next_turn, add_special_tokens=False)["input_ids"]
         follow_up_ids = [*ids, *alone[:-1], *turn]
-        follow_up = cached.submit(follow_up_ids, greedy(24))
-        whole = uncached.submit(follow_up_ids, greedy(24))
+        follow_up = cached.add_request(follow_up_ids, greedy(24))
+        whole = uncached.add_request(follow_up_ids, greedy(24))
         assert follow_up.wait(300) and whole.wait(300)
     finally:
         cached.close(timeout=60)
@@ -391,11 +394,11 @@ def test_requests_sharing_what_a_running_one_computed_answer_as_alone(lm, reques
     other_ids, other_limit, other_alone = requests[6]
     sharing = BatchingEngine(lm, max_batch=8)
     try:
-        first = sharing.submit(ids, greedy(limit))
+        first = sharing.add_request(ids, greedy(limit))
         wait_for_tokens(first, 12)
         cut = 10
-        resumed = sharing.submit(ids, greedy(limit - cut), generated_ids=alone[:cut])
-        other = sharing.submit(other_ids, greedy(other_limit))
+        resumed = sharing.add_request(ids, greedy(limit - cut), generated_ids=alone[:cut])
+        other = sharing.add_request(other_ids, greedy(other_limit))
         for gen in (first, resumed, other):
             assert gen.wait(300)
     finally:
@@ -416,14 +419,14 @@ def test_an_engine_on_a_cpu_steps_on_every_core_but_one(lm, requests):
     assert lm.threads == max(1, available - 1)
     assert engine_threads(dataclasses.replace(lm.spec, cpu_threads=3), "cpu", available) == 3
     assert engine_threads(lm.spec, "cuda", available) == 0
-    # Its products of several rows run on every core (workers.linear).
+    # Its products of several rows run on every core (engine.linear).
     assert lm.product_threads == available
     assert product_threads(dataclasses.replace(lm.spec, cpu_threads=3), "cpu", available) == 3
     assert product_threads(lm.spec, "cuda", available) == 0
     threads: list[int] = []
     counting = BatchingEngine(lm, max_batch=2)
     try:
-        gen = counting.submit(
+        gen = counting.add_request(
             ids, greedy(3), on_token=lambda _: threads.append(torch.get_num_threads()) or False
         )
         assert gen.wait(120) and gen.token_ids == alone[:3]
@@ -439,7 +442,7 @@ def test_an_engine_sharing_its_cores_steps_on_half_its_threads(lm, requests):
     threads: list[int] = []
     try:
         sharing.share_cores()
-        gen = sharing.submit(
+        gen = sharing.add_request(
             ids, greedy(4), on_token=lambda _: threads.append(torch.get_num_threads()) or False
         )
         assert gen.wait(120) and gen.token_ids == alone[:4]
@@ -485,12 +488,12 @@ def test_a_request_without_room_is_preempted_and_its_resume_continues_exactly(lm
     budget = len(ids0) + len(ids1) + 20
     small = BatchingEngine(lm, max_batch=8, token_budget=budget)
     try:
-        first = small.submit(ids0, greedy(limit0))
-        second = small.submit(ids1, greedy(limit1))
+        first = small.add_request(ids0, greedy(limit0))
+        second = small.add_request(ids1, greedy(limit1))
         assert first.wait(300) and second.wait(300)
         assert first.finish_reason == "length" and second.finish_reason == "preempted"
         assert 0 < len(second.token_ids) < limit1
-        resumed = small.submit(
+        resumed = small.add_request(
             ids1, greedy(limit1 - len(second.token_ids)), generated_ids=second.token_ids
         )
         assert resumed.wait(300)

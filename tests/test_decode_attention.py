@@ -1,4 +1,4 @@
-"""The decoding rows' attention built from C (``workers.decode_attention``)
+"""The decoding rows' attention built from C (``engine.decode_attention``)
 beside torch's ``scaled_dot_product_attention``: rows in slots taken out of
 order, each over its own number of tokens, query heads grouped over shared
 key/value heads in blocks of four and a remainder, at the head sizes it is
@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers import decode_attention
+from engine import decode_attention
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_without_a_compiler_the_engine_keeps_torchs_kernel(
 ) -> None:
     monkeypatch.setenv("LMSP_KERNEL_CACHE", str(tmp_path))  # nothing built there
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    with caplog.at_level(logging.WARNING, logger="workers.decode_attention"):
+    with caplog.at_level(logging.WARNING, logger="engine.decode_attention"):
         assert decode_attention.load(scale=0.125) is None
     assert "falls back to torch's kernel" in caplog.text
 
@@ -146,7 +146,7 @@ def test_a_library_planted_in_a_folder_others_may_write_is_never_loaded(
     library = _cache_with(built, cache, monkeypatch)
     cache.chmod(0o777)  # a shared folder: another user put this under the library's name
     shutil.copyfile(planted_library, library)
-    with caplog.at_level(logging.WARNING, logger="workers.decode_attention"):
+    with caplog.at_level(logging.WARNING, logger="engine.decode_attention"):
         assert decode_attention.load(scale=0.125) is None
     assert not marker.exists()  # its constructor never ran
     assert "writable by its group or others" in caplog.text
@@ -163,7 +163,7 @@ def test_a_cache_folder_or_library_of_another_user_is_refused(
         if os.geteuid() != 0:
             pytest.skip("only root can give a file to another user")
         os.chown(path, someone_else, -1)
-        with caplog.at_level(logging.WARNING, logger="workers.decode_attention"):
+        with caplog.at_level(logging.WARNING, logger="engine.decode_attention"):
             assert decode_attention.load(scale=0.125) is None
         assert f"belongs to user {someone_else}, not this one" in caplog.text
         caplog.clear()
@@ -174,7 +174,7 @@ def test_a_library_others_may_write_is_refused(
 ) -> None:
     library = _cache_with(built, tmp_path / "kernels", monkeypatch)
     library.chmod(0o775)
-    with caplog.at_level(logging.WARNING, logger="workers.decode_attention"):
+    with caplog.at_level(logging.WARNING, logger="engine.decode_attention"):
         assert decode_attention.load(scale=0.125) is None
     assert f"the kernel cache library {library} is writable by its group or others" in caplog.text
 
@@ -190,7 +190,7 @@ def test_a_tampered_library_in_a_private_folder_is_refused_by_its_digest(
     cache = tmp_path / "kernels"
     library = _cache_with(built, cache, monkeypatch)
     shutil.copyfile(planted_library, library)  # same name, other bytes
-    with caplog.at_level(logging.WARNING, logger="workers.decode_attention"):
+    with caplog.at_level(logging.WARNING, logger="engine.decode_attention"):
         assert decode_attention.load(scale=0.125) is not None  # built again, and checked
     assert not marker.exists()  # the tampered library's constructor never ran
     assert "does not match its digest; built again" in caplog.text

@@ -1,9 +1,9 @@
-"""The engine's forward pass (``workers.decoder``) beside transformers' own, on
+"""The engine's forward pass (``engine.decoder``) beside transformers' own, on
 small models of each architecture it runs, made from their configurations
 with random weights (nothing is downloaded): the same logits for a prompt
 and the decoding steps after it, alone and two requests attending together,
-in every layout of the linear layers (``workers.linear``), the decoding rows
-attending through the engine's own function (``workers.decode_attention``)
+in every layout of the linear layers (``engine.linear``), the decoding rows
+attending through the engine's own function (``engine.decode_attention``)
 and through torch's kernel."""
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from workers import decode_attention
-from workers.decoder import Decoder, Decoding, Span, StepMemory, unsupported
-from workers.kv_cache import KVCache
-from workers.linear import LAYOUTS, can_pack
+from engine import decode_attention
+from engine.decoder import Decoder, Decoding, Span, StepMemory, unsupported
+from engine.kv_cache import KVCache
+from engine.linear import LAYOUTS, can_pack
 
 SIZES = {
     "vocab_size": 96,

@@ -113,9 +113,18 @@ def counted_after(api, name: str, above: float, timeout: float = 20) -> float:  
 
 def answer_alone(lm, response_id: str) -> str:  # noqa: ANN001
     """The text a stored response's prompt gets through the plain path, no cache."""
+    return text_alone(lm, *request_of(lm, response_id))
+
+
+def request_of(lm, response_id: str) -> tuple[list[int], int]:  # noqa: ANN001
+    """A stored response's prompt token ids and its output limit."""
     response = Response.objects.get(id=response_id)
     ids = lm.tokenizer(prompt_of(response, lm.spec), add_special_tokens=False)["input_ids"]
-    limit = response.params["max_output_tokens"]
+    return ids, response.params["max_output_tokens"]
+
+
+def text_alone(lm, ids: list[int], limit: int) -> str:  # noqa: ANN001
+    """The text ``ids`` get through the plain path (no database: any thread)."""
     return lm.tokenizer.decode(generate_alone(lm, ids, limit), skip_special_tokens=True)
 
 

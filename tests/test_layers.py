@@ -6,16 +6,19 @@ a ring of any length), and the web process does not load the model stack
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The kernel, the torch-free generation side, the apps, the worker runtime, and
+# The kernel, the engine (which imports nothing of the service), the
+# torch-free generation side, the apps, the worker runtime, and
 # the client (which users install without the service).
 PACKAGES = (
     "lmsp_core",
+    "engine",
     "generation",
     "accounts_app",
     "tasks_app",
@@ -152,6 +155,44 @@ def test_the_client_imports_nothing_of_the_service():
     assert package_imports()["lmsp_client"] == set()
 
 
+def test_the_engine_imports_no_app_and_no_django():
+    """The engine generates and nothing else: no package of the service, and
+    not Django (an engine behind another server implements the same
+    ``engine.interface``)."""
+    assert package_imports()["engine"] == set()
+    django_imports = {
+        module_name(path): sorted(
+            name for name in imported_modules(path) if name.split(".")[0] == "django"
+        )
+        for path in (ROOT / "engine").rglob("*.py")
+    }
+    assert {name: found for name, found in django_imports.items() if found} == {}
+
+
+def test_importing_every_engine_module_loads_no_django():
+    """In a fresh interpreter, every module of ``engine`` imports without
+    Django being loaded along the way (through a dependency, say)."""
+    modules = sorted(module_name(path) for path in (ROOT / "engine").rglob("*.py"))
+    probe = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(','.join(m for m in sys.modules if m.split('.')[0] == 'django') or 'none')\n"
+    )
+    environment = {
+        key: value for key, value in os.environ.items() if key != "DJANGO_SETTINGS_MODULE"
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env=environment,
+    )
+    assert len(modules) > 1 and result.stdout.strip() == "none", result.stderr
+
+
 def test_the_generation_side_imports_only_the_kernel():
     assert package_imports()["generation"] <= {"lmsp_core"}
 
@@ -171,7 +212,7 @@ def test_only_the_worker_records_into_the_operators_app():
 def test_the_checker_sees_imports_inside_functions_and_relative_ones():
     module = ROOT / "responses_app" / "records.py"
     found = imported_modules(module)
-    assert {"tasks_app.lifecycle", "responses_app.models"} <= found
+    assert {"tasks_app.endings", "responses_app.models"} <= found
     assert imported_packages(ROOT / "workers" / "serve.py") >= {"generation", "lmsp_core"}
 
 

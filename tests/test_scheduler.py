@@ -1,5 +1,5 @@
 """The scheduler's rules without a model: hand-built step outputs stand for
-the model runner's (``workers.scheduler``, plain Python)."""
+the model runner's (``engine.scheduler``, plain Python)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,13 @@ import itertools
 
 import pytest
 
-from workers.scheduler import (
+from engine.request import Request, RequestStatus
+from engine.scheduler import (
     Adopt,
     BudgetExceededError,
     Evict,
     PrefixCache,
     Release,
-    Request,
-    RequestStatus,
     Scheduler,
     Share,
     StepPlan,
@@ -34,7 +33,7 @@ def step(scheduler: Scheduler, token: int = 7, ending: set[int] = frozenset()) -
     chunk that asks for one, the end token for the requests in ``ending``."""
     plan = scheduler.schedule()
     sampled = {
-        chunk.request.id: END if chunk.request.id in ending else token
+        chunk.request_id: END if chunk.request_id in ending else token
         for chunk in plan.chunks
         if chunk.sample
     }
@@ -43,7 +42,7 @@ def step(scheduler: Scheduler, token: int = 7, ending: set[int] = frozenset()) -
 
 
 def fed(plan: StepPlan) -> dict[int, int]:
-    return {chunk.request.id: len(chunk.token_ids) for chunk in plan.chunks}
+    return {chunk.request_id: len(chunk.token_ids) for chunk in plan.chunks}
 
 
 # --- admission under the budget ------------------------------------------------------
@@ -92,7 +91,7 @@ def test_a_prompt_larger_than_the_whole_budget_fails_at_once():
     scheduler.add(huge)
     scheduler.add(fits)
     plan = step(scheduler)
-    assert plan.ended == [huge]
+    assert plan.ended == [huge.id]
     assert huge.status == RequestStatus.FAILED and isinstance(huge.error, BudgetExceededError)
     assert fed(plan) == {fits.id: 10}
 
@@ -132,13 +131,13 @@ def test_chunks_of_a_step_share_its_prompt_tokens_in_admission_order():
     scheduler.add(a)
     scheduler.add(b)
     plan = step(scheduler)
-    assert [(c.request.id, c.start, len(c.token_ids), c.sample) for c in plan.chunks] == [
+    assert [(c.request_id, c.start, len(c.token_ids), c.sample) for c in plan.chunks] == [
         (decoding.id, 5, 1, True),
         (a.id, 0, 30, True),
         (b.id, 0, 20, False),
     ]
     plan = step(scheduler)
-    assert [(c.request.id, c.start, len(c.token_ids), c.sample) for c in plan.chunks] == [
+    assert [(c.request_id, c.start, len(c.token_ids), c.sample) for c in plan.chunks] == [
         (decoding.id, 6, 1, True),
         (a.id, 30, 1, True),
         (b.id, 20, 20, True),
@@ -169,8 +168,8 @@ def test_a_running_request_without_room_preempts_the_request_admitted_last():
     while second.status == RequestStatus.DECODING:
         plan = scheduler.schedule()
         held.append(scheduler.held_tokens)  # what the planned step computes into
-        scheduler.update(plan, {chunk.request.id: 7 for chunk in plan.chunks})
-    assert plan.ended == [second] and second.status == RequestStatus.PREEMPTED
+        scheduler.update(plan, {chunk.request_id: 7 for chunk in plan.chunks})
+    assert plan.ended == [second.id] and second.status == RequestStatus.PREEMPTED
     assert Release(second.id) in plan.memory_ops
     assert scheduler.stats.preemptions == 1
     assert max(held) == 50 == scheduler.stats.peak_held_tokens
@@ -192,7 +191,7 @@ def test_a_preempted_request_resumed_later_is_admitted_once_memory_frees():
     for _ in range(100):
         plan = scheduler.schedule()
         assert scheduler.held_tokens <= 60
-        scheduler.update(plan, {chunk.request.id: 7 for chunk in plan.chunks if chunk.sample})
+        scheduler.update(plan, {chunk.request_id: 7 for chunk in plan.chunks if chunk.sample})
         if resumed.status != RequestStatus.WAITING and first.status == RequestStatus.DECODING:
             admitted_while_first_ran = True
         if resumed.status.finished:
@@ -211,7 +210,7 @@ def test_a_lone_request_that_outgrows_the_budget_fails_rather_than_loops():
         if alone.status.finished:
             break
     assert alone.status == RequestStatus.FAILED and isinstance(alone.error, BudgetExceededError)
-    assert plan.ended == [alone]
+    assert plan.ended == [alone.id]
 
 
 # --- cancels -----------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from generation.registry import ModelSpec
 from generation.schemas import grammar_format, grammar_limits_from_settings, structural_tag
 
 from .loading import LoadedModel, load_tokenizer
+from .upstream import UpstreamModel
 
 # --- compiling (in a child with limits; cached per tokenizer and grammar) ----------
 
@@ -46,8 +47,10 @@ def _tokenizer_info_json(spec: ModelSpec, vocab_size: int) -> str:
     return serialized
 
 
-def vocab_size(lm: LoadedModel) -> int:
+def vocab_size(lm: LoadedModel | UpstreamModel) -> int:
     """The model's vocabulary (its logits' width), which grammars are compiled for."""
+    if isinstance(lm, UpstreamModel):
+        return lm.vocab_size
     return int(cast(Any, lm.model).config.vocab_size)
 
 
@@ -124,15 +127,21 @@ def _compiled(spec: ModelSpec, vocab_size: int, tag: str) -> xgr.CompiledGrammar
     return grammar
 
 
-def compiled_grammar(lm: LoadedModel, params: GenerationParams) -> xgr.CompiledGrammar | None:
+def structural_tag_of(lm: LoadedModel | UpstreamModel, params: GenerationParams) -> str | None:
+    """The structural tag a request's output must match (None: free text)."""
     fmt = grammar_format(params, lm.spec)
-    if fmt is None:
-        return None
-    return _compiled(lm.spec, vocab_size(lm), structural_tag(fmt))
+    return None if fmt is None else structural_tag(fmt)
+
+
+def compiled_grammar(
+    lm: LoadedModel | UpstreamModel, params: GenerationParams
+) -> xgr.CompiledGrammar | None:
+    tag = structural_tag_of(lm, params)
+    return None if tag is None else _compiled(lm.spec, vocab_size(lm), tag)
 
 
 def _matcher(
-    lm: LoadedModel, grammar: xgr.CompiledGrammar, generated: Sequence[int]
+    lm: LoadedModel | UpstreamModel, grammar: xgr.CompiledGrammar, generated: Sequence[int]
 ) -> xgr.GrammarMatcher:
     # The stop tokens are the ones generate() ends on, so a finished grammar
     # leaves the model nothing to sample but the end of its turn.
@@ -181,7 +190,9 @@ def logits_processors(
     return [GrammarLogitsProcessor(matcher, vocab_size(lm))]
 
 
-def ended(lm: LoadedModel, params: GenerationParams, generated: Sequence[int]) -> bool:
+def ended(
+    lm: LoadedModel | UpstreamModel, params: GenerationParams, generated: Sequence[int]
+) -> bool:
     """Whether a grammar has reached its end: the answer is complete and only
     an end-of-turn token could follow (true even when none was sampled)."""
     grammar = compiled_grammar(lm, params)

@@ -15,10 +15,9 @@ import logging
 import threading
 import time
 
+from engine.client import engines
 from lmsp_core import erasure_news
 from lmsp_core.redis_client import REDIS_ERRORS, redis_client
-
-from .batching import engines
 
 log = logging.getLogger(__name__)
 

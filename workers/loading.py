@@ -20,7 +20,7 @@ from generation.weights import weights_folder
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-    from .decoder import Decoder
+    from engine.decoder import Decoder
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class LoadedModel:
     token_budget: int = 0  # tokens of keys and values its engine may hold
     chunk_tokens: int = 0  # prompt tokens its engine computes per step
     threads: int = 0  # OpenMP threads of its engine's steps (0: torch's own count)
-    product_threads: int = 0  # ... of a step's products of several rows (workers.linear)
+    product_threads: int = 0  # ... of a step's products of several rows (engine.linear)
 
     @functools.cached_property
     def eos_token_ids(self) -> set[int]:
@@ -89,7 +89,7 @@ def engine_threads(spec: ModelSpec, device_type: str, available: int) -> int:
 
 def product_threads(spec: ModelSpec, device_type: str, available: int) -> int:
     """OpenMP threads for the engine's products of several rows on a CPU
-    (``workers.linear``): every core, the one left to the rest of the service
+    (``engine.linear``): every core, the one left to the rest of the service
     too, unless ``cpu_threads`` says otherwise; 0 on a GPU."""
     if device_type != "cpu":
         return 0
@@ -106,8 +106,8 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .decoder import Decoder, kv_bytes_per_token, unsupported
-    from .linear import can_pack
+    from engine.decoder import Decoder, kv_bytes_per_token, unsupported
+    from engine.linear import can_pack
 
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if spec.device == "auto" else spec.device
@@ -158,7 +158,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         "Loaded %s on %s (%s, %s attention%s, %s linear layers, %s): %d tokens of keys and "
         "values, prompts in chunks of %d",
         spec.id, device, dtype, spec.attention,
-        " (decoding rows: workers.decode_attention)" if decoder.attends_by_length else "",
+        " (decoding rows: engine.decode_attention)" if decoder.attends_by_length else "",
         linear_layers(layout),
         f"{threads} engine threads, {products} for products of several rows"
         if threads else "torch's threads", budget, chunk_tokens,

@@ -14,6 +14,7 @@ are written together (``flushing``).
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import socket
@@ -28,6 +29,16 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
+from engine.client import engine_for
+from engine.detokenizer import IncrementalDetokenizer
+from engine.interface import (
+    Constraint,
+    EngineClient,
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    SamplingParams,
+)
 from generation import grammar_limits
 from generation.output import OutputAssembler
 from generation.params import GenerationParams
@@ -35,16 +46,16 @@ from generation.registry import declared_models
 from lmsp_core import protocol
 from lmsp_core.errors import problem
 from lmsp_core.status import Status
-from ops_app import recorders
+from ops_app import recorders, upstream_health
 from responses_app.prompting import prompt_of
-from tasks_app import lifecycle
+from tasks_app import checkpoints, claims, endings, upstream_waits
 from tasks_app.models import Task
 
-from . import constraints, engine
-from .batching import engine_for
+from . import constraints, upstream
 from .cancellation import cancel_watch
 from .flushing import flush_group
 from .loading import LoadedModel, load_model
+from .upstream import UpstreamModel, load_upstream
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +63,35 @@ log = logging.getLogger(__name__)
 # prefill) still flushes to notice a cancel or a lost lease, but this rarely:
 # such a flush would only take CPU from the prefill it waits for.
 IDLE_FLUSH_SECONDS = 0.25
+
+
+class RunEnd(enum.Enum):
+    """Why a run stops before its answer is complete; each is mapped once,
+    in ``GenerationRun.run`` and ``_finish``, to the task's status and events."""
+
+    CANCELLED = "cancelled"  # the user asked: the task ends cancelled
+    LOST = "lost"  # the lease went to another worker: this run writes nothing more
+    PREEMPTED = "preempted"  # the engine needed its memory: handed back to the queue
+    UNAVAILABLE = "unavailable"  # its upstream server could not take it: handed back to wait
+
+
+class RunEndFlag:
+    """The first ``RunEnd`` of a run, set from its own thread, the lease
+    keeper's and the cancel watch's, under one lock: a later one never
+    replaces it."""
+
+    def __init__(self, initial: RunEnd | None = None) -> None:
+        self._lock = threading.Lock()
+        self._end = initial
+
+    def set(self, end: RunEnd) -> None:
+        with self._lock:
+            if self._end is None:
+                self._end = end
+
+    def get(self) -> RunEnd | None:
+        with self._lock:
+            return self._end
 
 
 def worker_name() -> str:
@@ -63,20 +103,23 @@ def run_task(
     task_id: str, worker: str | None = None, model: str | None = None, preferred: bool = False
 ) -> str | None:
     """Generate the fairest queued task of the job's model (``model``, else
-    ``task_id``'s: a job is a slot for its model, see ``lifecycle.claim``) to
+    ``task_id``'s: a job is a slot for its model, see ``claims.claim``) to
     its end, or ``task_id`` itself when the job was sent to this worker for
     it (``preferred``: a conversation's next turn); returns its final
     status, or None when there was nothing to do or the task was handed on."""
-    task = lifecycle.claim(
+    task = claims.claim(
         task_id, worker or worker_name(), model, preferred=task_id if preferred else None
     )
     if task is None:
         return None
     if task.model not in declared_models():  # removed from models.toml while queued
-        return GenerationRun.fail_unstarted(task, lifecycle.model_gone_problem(task.model))
+        return GenerationRun.fail_unstarted(task, endings.model_gone_problem(task.model))
     run = GenerationRun(task)
     try:
         return run.run()
+    except upstream.UpstreamRefused as exc:  # a 4xx: the upstream server's own words
+        log.warning("Upstream refused %s: %s", task_id, exc)
+        return run.fail(problem("generation_failed", f"The upstream server refused: {exc}"))
     except grammar_limits.GrammarError as exc:  # the web's check passed; this machine differs
         log.warning("Grammar of %s could not be compiled: %s", task_id, exc.reason)
         return run.fail(
@@ -89,6 +132,10 @@ def run_task(
         )
 
 
+class EngineError(Exception):
+    """The engine ended this run's request with an error (its text)."""
+
+
 class GenerationRun:
     def __init__(self, task: Task) -> None:
         self.task_id = task.id
@@ -98,7 +145,7 @@ class GenerationRun:
         self.response = task.response
         self.params = GenerationParams.from_json(self.response.params)
         self.spec = declared_models()[task.model]
-        restored = lifecycle.restore(task)
+        restored = endings.restore(task)
         self.token_ids: list[int] = restored.token_ids
         self.flushed_tokens = len(self.token_ids)  # how many the database has
         self.assembler = restored.assembler or OutputAssembler.for_generation(
@@ -108,9 +155,9 @@ class GenerationRun:
         self.pending: list[tuple[str, dict[str, Any]]] = []
         self.events_flushed = False  # by this attempt
         # Read under the claim's lock: a cancel before the start needs no flush.
-        # Else "lost" (the task was handed on) or "preempted" (the engine
-        # needed its memory: handed back to the queue).
-        self.stop: str | None = "cancelled" if task.cancel_requested else None
+        self.end = RunEndFlag(RunEnd.CANCELLED if task.cancel_requested else None)
+        self.unavailable = ""  # why the upstream server could not take it
+        self.waited = task.waiting_since is not None  # for its upstream server, until now
         self.ended_by_model = False
         self.ended_by_grammar = False  # complete, but the token limit came before the end token
         self.cached_tokens = 0  # prompt tokens this attempt took from the engine's prefix cache
@@ -125,32 +172,45 @@ class GenerationRun:
         # The lease is kept from the claim on: loading the model (a worker's
         # first task) can take longer than the lease.
         with self._lease_kept():
-            lm = load_model(self.spec)
-            detok = engine.IncrementalDetokenizer(lm.tokenizer, **self.offsets)
+            lm = load_upstream(self.spec) if self.spec.upstream else load_model(self.spec)
+            detok = IncrementalDetokenizer(lm.tokenizer, **self.offsets)
             remaining = self.params.max_output_tokens - len(self.token_ids)
-            if self.stop is None and remaining > 0 and not self._past_deadline():
+            if self.end.get() is None and remaining > 0 and not self._past_deadline():
                 prompt = prompt_of(self.response, self.spec)  # the conversation as it stands
                 prompt_ids = lm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
                 self._decode(lm, detok, prompt_ids, remaining)
         self.ended_by_grammar = not self.ended_by_model and constraints.ended(
             lm, self.params, self.token_ids
         )
-        if self.stop == "lost":
+        end = self.end.get()
+        if end is RunEnd.LOST:
             log.warning("Task %s attempt %s was handed on; stopping", self.task_id, self.attempt)
             return None
-        if self.stop == "preempted":
+        if end is RunEnd.PREEMPTED:
             # What the detokenizer holds back stays held: the next attempt
             # resumes from this checkpoint as if nothing happened.
             log.info("Task %s attempt %s preempted; handed back", self.task_id, self.attempt)
-            lifecycle.hand_back(self._progress(detok), self.worker_seconds)
+            checkpoints.hand_back(self._progress(detok), self.worker_seconds)
+            return None
+        if end is RunEnd.UNAVAILABLE:
+            upstream_spec = self.spec.upstream
+            assert upstream_spec is not None  # only an upstream model's server is unavailable
+            log.warning("Upstream of %s unavailable: %s", self.spec.id, self.unavailable)
+            upstream_health.record(self.spec.id, self.unavailable)
+            waiting = upstream_waits.Waiting(
+                self.unavailable,
+                upstream_spec.unavailable_timeout_seconds,
+                upstream_spec.retry_seconds,
+            )
+            checkpoints.hand_back(self._progress(detok), self.worker_seconds, waiting)
             return None
         self.pending += self.assembler.feed(detok.rest(self.token_ids))
         return self._finish()
 
     def _decode(
         self,
-        lm: LoadedModel,
-        detok: engine.IncrementalDetokenizer,
+        lm: LoadedModel | UpstreamModel,
+        detok: IncrementalDetokenizer,
         prompt_ids: list[int],
         remaining: int,
     ) -> None:
@@ -161,60 +221,96 @@ class GenerationRun:
         flush also runs when no token came for ``IDLE_FLUSH_SECONDS`` (the
         request may wait for a batch slot), so a cancel is noticed then too.
         """
-        batching = engine_for(lm, self.spec.max_batch)
-        generation = batching.submit(
-            prompt_ids,
-            engine.Sampling(max_new_tokens=remaining, temperature=self.params.temperature),
-            generated_ids=self.token_ids,
-            grammar=constraints.compiled_grammar(lm, self.params),
-            priority=self.fair_key,  # the engine admits waiting requests in the fair order
-            cache_salt=batching.owner_salt(self.owner_id),
-        )
+        client, request = self._request(lm, prompt_ids, remaining)
+        request_id = request.request_id
+        submitted_at = time.monotonic()
+        stream = client.submit(request)
         interval = settings.LMSP_FLUSH_INTERVAL_SECONDS
         stack, counted = ExitStack(), False
 
         def cancelled_now() -> None:  # called from the cancel watch's thread
-            if self.stop is None:
-                self.stop = "cancelled"
-            generation.cancel()
+            self.end.set(RunEnd.CANCELLED)
+            client.abort(request_id)
 
         stack.enter_context(cancel_watch.watching(self.task_id, cancelled_now))
         # Counts and times the tokens for /metrics; a resumed answer has no first token.
         timer = recorders.TokenTimer(
             self.spec.id, None if self.token_ids else self.response.created_at
         )
+        last: EngineOutput | None = None
         try:
-            for token_id in generation.tokens(poll=IDLE_FLUSH_SECONDS):
+            for output in stream.outputs(poll=IDLE_FLUSH_SECONDS):
                 due = flush_group.due(interval)
-                if token_id is None:
+                if output is None:
                     due = True  # no token for IDLE_FLUSH_SECONDS
                 else:
+                    last = output
+                for token_id in output.new_token_ids if output is not None else ():
                     timer.tick()
                     if not counted:  # in the batch now: its flushes are grouped
                         stack.enter_context(flush_group.decoding())
                         counted = True
-                if token_id in lm.eos_token_ids:
-                    self.ended_by_model = True
-                elif token_id is not None:
-                    self.token_ids.append(token_id)
-                    self.pending += self.assembler.feed(detok.step(self.token_ids))
-                    # The first event a user sees goes out at once.
-                    due = due or (not self.events_flushed and bool(self.pending))
+                        if self.waited:  # its upstream server answers again
+                            upstream_waits.recovered(self.task_id, self.attempt)
+                            upstream_health.record(self.spec.id, None)
+                    if token_id in lm.eos_token_ids:
+                        self.ended_by_model = True
+                    else:
+                        self.token_ids.append(token_id)
+                        self.pending += self.assembler.feed(detok.step(self.token_ids))
+                        # The first event a user sees goes out at once.
+                        due = due or (not self.events_flushed and bool(self.pending))
                 if due:
                     self._flush(detok)
-                if self.stop is not None or self._past_deadline():
+                if self.end.get() is not None or self._past_deadline():
                     return
         finally:
-            generation.cancel()  # leaves the batch at its next step; no-op once finished
+            client.abort(request_id)  # leaves the batch at its next step; no-op once finished
             stack.close()
             timer.push()
             # A resume's prompt holds the tokens generated before it: only the prompt's count.
-            self.cached_tokens = min(generation.cached_tokens, len(prompt_ids))
-            self.worker_seconds = time.monotonic() - generation.submitted_at
-        if generation.error is not None:
-            raise generation.error
-        if generation.finish_reason == "preempted" and self.stop is None:
-            self.stop = "preempted"
+            cached = last.cached_tokens if last is not None else 0
+            self.cached_tokens = min(cached, len(prompt_ids))
+            self.worker_seconds = time.monotonic() - submitted_at
+        finish = last.finish_reason if last is not None else None
+        if finish is FinishReason.ERROR and isinstance(lm, UpstreamModel):
+            raise upstream.UpstreamRefused(last.error if last else "the upstream server failed")
+        if finish is FinishReason.ERROR:
+            raise EngineError(last.error if last and last.error else "The engine failed.")
+        if finish is FinishReason.UNAVAILABLE:  # down, or answering 5xx / 429: wait for it
+            self.unavailable = last.error if last and last.error else "the server is unavailable"
+            self.end.set(RunEnd.UNAVAILABLE)
+        if finish is FinishReason.PREEMPTED:
+            self.end.set(RunEnd.PREEMPTED)
+
+    def _request(
+        self, lm: LoadedModel | UpstreamModel, prompt_ids: list[int], remaining: int
+    ) -> tuple[EngineClient, EngineRequest]:
+        """The engine that generates for the model, and this attempt's request:
+        the prompt and the tokens generated so far, so that it goes on from
+        exactly there."""
+        request_id = f"{self.task_id}:{self.attempt}"
+        sampling = SamplingParams(max_tokens=remaining, temperature=self.params.temperature)
+        if isinstance(lm, UpstreamModel):  # another server generates; same interface
+            return upstream.upstream_engine(lm.spec), upstream.request_for(
+                lm, request_id, prompt_ids, sampling,
+                generated_ids=self.token_ids, params=self.params, priority=self.fair_key,
+                owner_id=self.owner_id, response_id=self.response.id,
+            )  # fmt: skip
+        batching = engine_for(lm, self.spec.max_batch)
+        tag = constraints.structural_tag_of(lm, self.params)
+        constraint = None
+        if tag is not None:  # its source, and compiled for the own engine
+            constraint = Constraint(tag, constraints.compiled_grammar(lm, self.params))
+        return batching, EngineRequest(
+            request_id,
+            (*prompt_ids, *self.token_ids),
+            sampling,
+            constraint=constraint,
+            resumed_tokens=len(self.token_ids),
+            priority=self.fair_key,  # the engine admits waiting requests in the fair order
+            cache_salt=batching.owner_salt(self.owner_id),
+        )
 
     def _past_deadline(self) -> bool:
         """Whether the job has run ``LMSP_MAX_JOB_SECONDS``: it then ends
@@ -234,8 +330,8 @@ class GenerationRun:
         def keep() -> None:
             try:
                 while not done.wait(settings.LMSP_LEASE_SECONDS / 3):
-                    if not lifecycle.renew_lease(self.task_id, self.attempt):
-                        self.stop = "lost"
+                    if not claims.renew_lease(self.task_id, self.attempt):
+                        self.end.set(RunEnd.LOST)
                         return
             finally:
                 connection.close()  # this thread's own connection
@@ -248,7 +344,7 @@ class GenerationRun:
             done.set()
             keeper.join()
 
-    def _progress(self, detok: engine.IncrementalDetokenizer) -> lifecycle.Flush:
+    def _progress(self, detok: IncrementalDetokenizer) -> checkpoints.Flush:
         """The events and tokens since the last flush, with the checkpoint they lead to."""
         checkpoint = {
             "tokens": len(self.token_ids),
@@ -256,17 +352,19 @@ class GenerationRun:
             "assembler": self.assembler.compact_state(),
         }
         new_token_ids = self.token_ids[self.flushed_tokens :]
-        return lifecycle.Flush(self.task_id, self.attempt, self.pending, new_token_ids, checkpoint)
+        return checkpoints.Flush(
+            self.task_id, self.attempt, self.pending, new_token_ids, checkpoint
+        )
 
-    def _flush(self, detok: engine.IncrementalDetokenizer) -> None:
+    def _flush(self, detok: IncrementalDetokenizer) -> None:
         progress = flush_group.write(self._progress(detok))
         self.flushed_tokens = len(self.token_ids)
         self.events_flushed = self.events_flushed or bool(self.pending)
         self.pending = []
         if not progress.owned:
-            self.stop = "lost"
+            self.end.set(RunEnd.LOST)
         elif progress.cancel_requested:
-            self.stop = "cancelled"
+            self.end.set(RunEnd.CANCELLED)
 
     def _usage(self) -> dict[str, Any]:
         generated = len(self.token_ids) + (1 if self.ended_by_model else 0)
@@ -275,7 +373,7 @@ class GenerationRun:
     def _finish(self) -> str | None:
         rid, usage = self.response.id, self._usage()
         incomplete = None
-        if self.stop == "cancelled":
+        if self.end.get() is RunEnd.CANCELLED:
             status = Status.CANCELLED
             events = self.assembler.close() + [protocol.cancelled_event(rid, usage)]
         elif self.ended_by_model or self.ended_by_grammar:
@@ -288,7 +386,7 @@ class GenerationRun:
             events = self.assembler.close() + [
                 protocol.incomplete_event(rid, incomplete["reason"], usage)
             ]
-        outcome = lifecycle.Outcome(
+        outcome = endings.Outcome(
             status=status,
             output=self.assembler.items,
             output_tokens=usage["output_tokens"],
@@ -298,7 +396,7 @@ class GenerationRun:
         )
         return (
             status
-            if lifecycle.finish(self.task_id, self.attempt, self.pending + events, outcome)
+            if endings.finish(self.task_id, self.attempt, self.pending + events, outcome)
             else None
         )
 
@@ -306,14 +404,14 @@ class GenerationRun:
     def fail_unstarted(task: Task, error: dict[str, Any]) -> str | None:
         """Fail a claimed task before any generation (nothing to keep)."""
         events = [protocol.failed_event(task.response_id, error)]
-        outcome = lifecycle.Outcome(status=Status.FAILED, error=error)
-        ok = lifecycle.finish(task.id, task.attempt, events, outcome)
+        outcome = endings.Outcome(status=Status.FAILED, error=error)
+        ok = endings.finish(task.id, task.attempt, events, outcome)
         return Status.FAILED if ok else None
 
     def fail(self, error: dict[str, Any]) -> str | None:
         events = self.pending + self.assembler.close()
         events.append(protocol.failed_event(self.response.id, error))
-        outcome = lifecycle.Outcome(
+        outcome = endings.Outcome(
             status=Status.FAILED,
             output=self.assembler.items,
             output_tokens=len(self.token_ids),
@@ -321,5 +419,5 @@ class GenerationRun:
             worker_seconds=self.worker_seconds,
             error=error,
         )
-        ok = lifecycle.finish(self.task_id, self.attempt, events, outcome)
+        ok = endings.finish(self.task_id, self.attempt, events, outcome)
         return Status.FAILED if ok else None

@@ -1,4 +1,5 @@
-"""Celery jobs: short shells around plain functions tested without Celery."""
+"""A model worker's Celery job and signals: short shells around plain
+functions tested without Celery (the ops jobs are ``ops_app.tasks``)."""
 
 import logging
 import threading
@@ -6,12 +7,11 @@ import time
 from typing import Any
 
 from celery import shared_task
-from celery.signals import beat_init, worker_ready, worker_shutdown, worker_shutting_down
+from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 from django.conf import settings
 
 from ops_app import recorders
-from responses_app.retention import prune_history
-from tasks_app import heartbeat, lifecycle
+from tasks_app import heartbeat
 
 from . import runner
 
@@ -21,32 +21,6 @@ log = logging.getLogger(__name__)
 @shared_task(name="workers.tasks.run_task")
 def run_task(task_id: str, model: str | None = None, preferred: bool = False) -> str | None:
     return runner.run_task(task_id, model=model, preferred=preferred)
-
-
-@shared_task(name="workers.tasks.sweep_tasks")
-def sweep_tasks() -> dict[str, Any]:
-    report = lifecycle.sweep()
-    recorders.job_succeeded("sweep_tasks")  # the admin and /metrics flag a stale sweeper
-    return {
-        "requeued": report.requeued,
-        "ended": report.ended,
-        "resent": report.resent,
-        "failed": report.failed,
-        "errors": report.errors,
-    }
-
-
-@shared_task(name="workers.tasks.prune_events")
-def prune_events() -> int:
-    pruned = prune_history()
-    recorders.job_succeeded("prune_events")
-    return pruned
-
-
-@beat_init.connect
-def jobs_scheduled(sender: Any, **_: object) -> None:  # celery's beat Service
-    """Beat started: the periodic jobs' first runs are counted from now."""
-    recorders.jobs_scheduled()
 
 
 _heartbeat: heartbeat.Heartbeat | None = None
@@ -63,10 +37,10 @@ def serve_models(sender: Any, **_: object) -> None:  # celery's WorkController
     Model workers run the threads pool, so this is the process that generates;
     with a prefork pool the weights would be loaded before the fork, which
     CUDA does not survive."""
+    from engine.client import engine_for
     from generation.registry import available_models
 
-    from . import erasure
-    from .batching import engine_for
+    from . import erasure, upstream
     from .loading import load_model
 
     global _heartbeat
@@ -75,7 +49,11 @@ def serve_models(sender: Any, **_: object) -> None:  # celery's WorkController
     if served:
         erasure.listen()
     for spec in served:
-        engine_for(load_model(spec), spec.max_batch)
+        if spec.upstream is not None:  # no weights here: the tokenizer and the client
+            upstream.upstream_engine(upstream.load_upstream(spec).spec)
+            upstream.watch_health(spec)
+        else:
+            engine_for(load_model(spec), spec.max_batch)
     if served:
         # Beating says the models are loaded: a draining worker hands its
         # generations over to this one from now on.
@@ -93,12 +71,16 @@ class EngineReport:
         self._counted: dict[str, dict[str, int]] = {}
 
     def __call__(self, model_id: str) -> dict[str, int]:
+        from engine.client import engine_for
         from generation.registry import available_models
 
-        from .batching import engine_for
+        from . import upstream
         from .loading import load_model
 
         spec = available_models()[model_id]
+        if spec.upstream is not None:
+            client = upstream.upstream_engine(spec)
+            return {"free_slots": spec.max_batch - client.running - client.waiting}
         stats = engine_for(load_model(spec), spec.max_batch).stats()
         counts = {name: getattr(stats.counts, name) for name in recorders.ENGINE_COUNTS}
         before = self._counted.get(model_id, dict.fromkeys(counts, 0))
@@ -122,7 +104,7 @@ def drain(**_: object) -> None:
     model it serves, or after ``LMSP_DRAIN_WAIT_SECONDS``, its engines preempt
     every generation: each job writes its checkpoint and hands its task back
     to the queue, first in the fair order, for another worker to continue
-    (``lifecycle.hand_back``). Until then its generations go on, on half its
+    (``checkpoints.hand_back``). Until then its generations go on, on half its
     threads (``BatchingEngine.share_cores``), so that a rolling deploy's new
     worker, started at the same moment, takes them over with no wait longer
     than its own start. The ops worker serves no model: nothing to do."""
@@ -132,7 +114,7 @@ def drain(**_: object) -> None:
 
 
 def _hand_over(beating: heartbeat.Heartbeat) -> None:
-    from .batching import drain_all, engines
+    from engine.client import drain_all, engines
 
     beating.stop()
     for engine in engines():

@@ -18,7 +18,7 @@ tell the requests apart: each request holds a slot of the keys and values
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,25 +26,21 @@ import xgrammar as xgr
 
 from .decoder import Decoder, Decoding, Span, StepMemory
 from .kv_cache import KVCache
-from .scheduler import Chunk, MemoryOp, Request, StepPlan
+from .scheduler import Chunk, MemoryOp, StepPlan
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class RowSampling:
-    """How one request picks its tokens (the scheduler's ``Request.payload``)."""
+    """How one request picks its tokens, and its grammar's matcher: the
+    runner's own state of a request, kept by its id (``ModelRunner.add``)."""
 
     temperature: float  # 0: greedy
     grammar: xgr.CompiledGrammar | None = None
     generated_ids: Sequence[int] = ()  # tokens of earlier attempts, for the matcher
+    eos_token_ids: Collection[int] = ()  # the grammar's stop tokens
     matcher: xgr.GrammarMatcher | None = field(default=None, repr=False)
-
-
-def row_sampling(request: Request) -> RowSampling:
-    """A request's sampling settings (its ``payload``: the engine puts them there)."""
-    assert isinstance(request.payload, RowSampling)
-    return request.payload
 
 
 @dataclass
@@ -54,9 +50,12 @@ class StepResult:
 
 
 class ModelRunner:
-    """Runs plans on one loaded model."""
+    """Runs plans on one loaded model, holding ``max_batch`` requests of up to
+    ``slot_tokens`` tokens without copying their keys and values as they grow
+    (``kv_cache``; 0: each growth copies them)."""
 
-    def __init__(self, decoder: Decoder, max_batch: int, product_threads: int = 0) -> None:
+    def __init__(self, decoder: Decoder, max_batch: int, product_threads: int = 0,
+                 slot_tokens: int = 0) -> None:  # fmt: skip
         self.decoder = decoder
         # OpenMP threads of a step's products of several rows (0: the caller's count).
         self.product_threads = product_threads
@@ -69,8 +68,19 @@ class ModelRunner:
             decoder.dtype,
             self.device,
             max_slots=max_batch,
+            slot_tokens=slot_tokens,
         )
         self._bitmask = xgr.allocate_token_bitmask(max_batch, self.vocab_size)
+        self._rows: dict[int, RowSampling] = {}  # by request id, from add to remove
+
+    def add(self, request_id: int, sampling: RowSampling) -> None:
+        """How request ``request_id`` samples, until ``remove``."""
+        self._rows[request_id] = sampling
+
+    def remove(self, request_id: int) -> None:
+        """Request ``request_id`` has ended: drop its sampling state (its
+        memory goes by the scheduler's ``Release``)."""
+        self._rows.pop(request_id, None)
 
     def apply(self, memory_ops: list[MemoryOp]) -> None:
         """Move memory as the scheduler decided: copy cached or running
@@ -82,6 +92,7 @@ class ModelRunner:
         """Apply the plan's memory operations, compute its chunks, and sample
         for the chunks that end their request's input."""
         self.apply(plan.memory_ops)
+        self.memory.copy_entries()
         failed: dict[int, BaseException] = {}
         chunks = [chunk for chunk in plan.chunks if self._start_matcher(chunk, failed)]
         if not chunks:
@@ -107,19 +118,21 @@ class ModelRunner:
         )
         if not sampling:
             return StepResult({}, failed)
-        token_ids = self._choose(logits, [row_sampling(c.request) for c in sampling])
+        rows = [self._rows[chunk.request_id] for chunk in sampling]
+        token_ids = self._choose(logits, rows)
         sampled = {}
-        for chunk, token_id in zip(sampling, token_ids, strict=True):
-            request = chunk.request
-            matcher = row_sampling(request).matcher
+        for chunk, row, token_id in zip(sampling, rows, token_ids, strict=True):
+            matcher = row.matcher
             if (
                 matcher is not None
-                and token_id not in request.eos_token_ids
+                and token_id not in row.eos_token_ids
                 and not matcher.accept_token(token_id)
             ):
-                failed[request.id] = RuntimeError(f"Sampled token {token_id} breaks the grammar.")
+                failed[chunk.request_id] = RuntimeError(
+                    f"Sampled token {token_id} breaks the grammar."
+                )
             else:
-                sampled[request.id] = token_id
+                sampled[chunk.request_id] = token_id
         return StepResult(sampled, failed)
 
     def _memory(self, chunks: list[Chunk]) -> StepMemory:
@@ -128,7 +141,7 @@ class ModelRunner:
         where it pads the slots to the longest, while they hold at most twice
         the rows' tokens), every other chunk alone."""
         memory = self.memory
-        slots = [memory.room(c.request.id, c.start + len(c.token_ids)) for c in chunks]
+        slots = [memory.room(c.request_id, c.start + len(c.token_ids)) for c in chunks]
         single = 0
         if self.decoder.kernel == "sdpa":
             single = next((i for i, c in enumerate(chunks) if len(c.token_ids) > 1), len(chunks))
@@ -185,22 +198,21 @@ class ModelRunner:
             return hidden.masked_fill(~visible, torch.finfo(dtype).min)[None, None]
         return visible[None, None]
 
-    @staticmethod
-    def _start_matcher(chunk: Chunk, failed: dict[int, BaseException]) -> bool:
+    def _start_matcher(self, chunk: Chunk, failed: dict[int, BaseException]) -> bool:
         """A grammar matcher, advanced through the tokens generated before, for
         a request's first chunk; False (and ``failed``) when those tokens
         break its grammar."""
-        sampling = row_sampling(chunk.request)
+        sampling = self._rows[chunk.request_id]
         if sampling.grammar is None or sampling.matcher is not None:
             return True
         # The stop tokens are this request's end tokens, so a completed grammar
         # leaves the model nothing but the end of its turn to sample.
         matcher = xgr.GrammarMatcher(
-            sampling.grammar, override_stop_tokens=sorted(chunk.request.eos_token_ids)
+            sampling.grammar, override_stop_tokens=sorted(sampling.eos_token_ids)
         )
         for position, token_id in enumerate(sampling.generated_ids):
             if not matcher.accept_token(token_id):
-                failed[chunk.request.id] = ValueError(
+                failed[chunk.request_id] = ValueError(
                     f"Generated token {token_id} at {position} breaks the grammar."
                 )
                 return False

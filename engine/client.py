@@ -1,19 +1,21 @@
-"""Continuous batching: one engine thread decodes many generations at once.
+"""The engine client: the thread that steps the own engine's core, the
+handles its callers hold, and this process's engines, behind the small
+interface every engine shares (``interface.EngineClient``).
 
-Why: a worker that runs one ``model.generate`` at a time leaves most of the
-hardware idle; decoding 8 sequences in one forward pass costs little more
-than decoding one (about 5x the aggregate tokens/s on the 2-core CPU, far
-more on a GPU). A static batch would make a new request wait until the
-whole batch drains, so the batch is planned again at every step instead
-(iteration-level, or continuous, batching): a request joins at the next
-step and leaves as soon as it ends.
+Why continuous batching: a worker that runs one ``model.generate`` at a
+time leaves most of the hardware idle; decoding 8 sequences in one forward
+pass costs little more than decoding one (about 5x the aggregate tokens/s
+on the 2-core CPU, far more on a GPU). A static batch would make a new
+request wait until the whole batch drains, so the batch is planned again at
+every step instead (iteration-level, or continuous, batching): a request
+joins at the next step and leaves as soon as it ends.
 
-The engine is three parts, as vLLM's engine core is: the scheduler
-(``scheduler``, plain Python) decides what each step computes and what
-memory each request holds; the model runner (``model_runner``) computes
-it and samples; and this loop, the one place that turns their results
-into what callers see, hands each token to its ``Generation`` and ends
-it. ``schedule() -> execute() -> update()``, then deliver, once per step.
+Why a client apart from the core (``core``, vLLM's split): the core steps
+in plain calls and returns frozen outputs; this module owns everything that
+is about threads and callers: the mailbox that hands it requests, cancels,
+erasures and drains between two steps, the ``Generation`` each caller
+holds, the thread counts of its steps (``share_cores``), and the one engine
+per model of this process (``engine_for``).
 
 Each request is salted with its owner (``owner_salt``): the prefix cache
 reuses keys and values only within one owner, unless the model's
@@ -32,38 +34,84 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Protocol
 
 import torch
 import xgrammar as xgr
 
-from .engine import Sampling
-from .loading import LoadedModel
+from .core import EngineCore, StepOutput
+from .decoder import Decoder
+from .interface import (
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    SamplingParams,
+    queued_outputs,
+)
 from .model_runner import ModelRunner, RowSampling
-from .scheduler import Request, RequestStatus, Scheduler, SchedulerStats
+from .request import Request, RequestStatus
+from .scheduler import Scheduler, SchedulerStats
 
 log = logging.getLogger(__name__)
 
-FinishReason = Literal["eos", "length", "stopped", "cancelled", "preempted", "error"]
 TokenCallback = Callable[[int], "bool | None"]
 
-_STREAM_END = -1  # ends a stream of token ids
+
+class ModelSettings(Protocol):
+    """What the engine reads of a model's entry (``generation.registry.ModelSpec``)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def prefix_cache(self) -> bool: ...
+
+    @property
+    def share_prefix_cache(self) -> bool: ...
+
+    @property
+    def context_window(self) -> int: ...
+
+
+class ServedModel(Protocol):
+    """A model loaded for an engine (``workers.loading.LoadedModel``): its
+    forward pass, end tokens, and the memory and threads its engine may use."""
+
+    @property
+    def spec(self) -> ModelSettings: ...
+
+    @property
+    def decoder(self) -> Decoder: ...
+
+    @property
+    def eos_token_ids(self) -> Collection[int]: ...
+
+    @property
+    def token_budget(self) -> int: ...
+
+    @property
+    def chunk_tokens(self) -> int: ...
+
+    @property
+    def threads(self) -> int: ...
+
+    @property
+    def product_threads(self) -> int: ...
 
 
 class Generation:
-    """One submitted request, as its caller sees it.
+    """One submitted request, as its caller holds it: the own engine's
+    ``OutputStream`` (``interface``).
 
     ``token_ids`` are the tokens this engine generated for it (an end token
     included when the model chose one), ``finish_reason`` is set once it has
-    left the engine: ``eos`` (the model ended it), ``length``
-    (``max_new_tokens`` reached), ``stopped`` (the callback asked),
-    ``cancelled`` (``cancel()`` or the engine closed), ``preempted`` (its
-    memory was needed by requests admitted before it: the caller resumes it
-    later, from its tokens so far) or ``error`` (then ``error`` holds the
-    exception; only this request is affected).
+    left the engine (``interface.FinishReason``); with ``ERROR``, ``error``
+    holds the exception (only this request is affected). ``PREEMPTED``: its
+    memory was needed by requests admitted before it, or the engine is
+    draining; the caller resumes it later, from its tokens so far.
     """
 
-    def __init__(self, request_id: int, streamed: bool) -> None:
+    def __init__(self, request_id: str, streamed: bool) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
@@ -74,7 +122,9 @@ class Generation:
         self.finished_at: float | None = None
         self._cancel_requested = False
         self._finished = threading.Event()
-        self._stream: queue.SimpleQueue[int] | None = queue.SimpleQueue() if streamed else None
+        self._outputs: queue.SimpleQueue[EngineOutput] | None = (
+            queue.SimpleQueue() if streamed else None
+        )
 
     def cancel(self) -> None:
         """Ask the engine to drop this request; takes effect before its next token.
@@ -95,33 +145,25 @@ class Generation:
         """Block until the request has left the engine; False on timeout."""
         return self._finished.wait(timeout)
 
+    def outputs(self, poll: float) -> Iterator[EngineOutput | None]:
+        """Its outputs as they come (for requests submitted without
+        ``on_token``), one per token and a last one that finishes it, and None
+        whenever ``poll`` seconds pass without one, so that the caller can do
+        its own work between tokens."""
+        if self._outputs is None:
+            raise RuntimeError("This request delivers its tokens to its on_token callback.")
+        return queued_outputs(self._outputs, poll)
+
     def stream(self, timeout: float | None = None) -> Iterator[int]:
         """The tokens one by one as they come (only for requests submitted without
         ``on_token``); ends when the request has finished. ``timeout`` bounds the
         wait for each token (``queue.Empty`` past it)."""
-        if self._stream is None:
-            raise RuntimeError("This request delivers its tokens to its on_token callback.")
-        while True:
-            item = self._stream.get(timeout=timeout)
-            if item == _STREAM_END:
-                return
-            yield item
-
-    def tokens(self, poll: float) -> Iterator[int | None]:
-        """The tokens as they come (for requests submitted without ``on_token``),
-        and None whenever ``poll`` seconds pass without one, so that the caller
-        can do its own work between tokens; ends when the request has finished."""
-        if self._stream is None:
-            raise RuntimeError("This request delivers its tokens to its on_token callback.")
-        while True:
-            try:
-                item = self._stream.get(timeout=poll)
-            except queue.Empty:
-                yield None
+        for output in self.outputs(poll=timeout if timeout is not None else 3600.0):
+            if output is None:
+                if timeout is not None:
+                    raise queue.Empty
                 continue
-            if item == _STREAM_END:
-                return
-            yield item
+            yield from output.new_token_ids
 
     # --- called on the engine thread -----------------------------------------------
 
@@ -130,8 +172,8 @@ class Generation:
             self.first_token_at = time.monotonic()
         self.token_ids.append(token_id)
         if on_token is None:
-            assert self._stream is not None
-            self._stream.put(token_id)
+            assert self._outputs is not None
+            self._outputs.put(EngineOutput(self.request_id, (token_id,), None, self.cached_tokens))
             return False
         return bool(on_token(token_id))
 
@@ -141,8 +183,9 @@ class Generation:
         self.finish_reason = reason
         self.error = error
         self.finished_at = time.monotonic()
-        if self._stream is not None:
-            self._stream.put(_STREAM_END)
+        if self._outputs is not None:
+            text = None if error is None else str(error) or error.__class__.__name__
+            self._outputs.put(EngineOutput(self.request_id, (), reason, self.cached_tokens, text))
         self._finished.set()
 
 
@@ -171,23 +214,24 @@ class BatchingEngine:
     within ``token_budget`` tokens of keys and values (running requests and
     the prefix cache together), computing prompts ``chunk_tokens`` at a time.
 
-    ``submit`` queues a request and returns its ``Generation`` at once; the
+    ``submit`` (the interface's) and ``add_request`` (with the own engine's
+    extras) queue a request and return its ``Generation`` at once; the
     request is admitted before the next decoding step if its prompt fits in
     the budget (else it waits, in ``priority`` order). For every token it
     samples, the engine calls ``on_token(token_id)`` on the engine thread
-    (end tokens included, as ``workers.engine.generate`` does); a truthy
+    (end tokens included, as ``tests.reference.generate`` does); a truthy
     return ends that request (``stopped``). Without ``on_token`` the tokens
-    go to ``Generation.stream()``. Callbacks must be quick: every row of the
+    go to ``Generation.outputs()``. Callbacks must be quick: every row of the
     batch waits for them. An exception in one is logged and ends only that
-    request (``error``). ``Generation.cancel()`` drops the request before its
-    next token. ``close()`` stops the thread and cancels whatever is left.
-    ``share_prefix_cache`` (default: the model's setting) lets requests of
-    different owners reuse each other's prefixes.
+    request (``error``). ``Generation.cancel()`` (or ``abort``) drops the
+    request before its next token. ``close()`` stops the thread and cancels
+    whatever is left. ``share_prefix_cache`` (default: the model's setting)
+    lets requests of different owners reuse each other's prefixes.
     """
 
     def __init__(
         self,
-        lm: LoadedModel,
+        lm: ServedModel,
         max_batch: int = 8,
         token_budget: int | None = None,
         chunk_tokens: int | None = None,
@@ -202,18 +246,24 @@ class BatchingEngine:
             spec.share_prefix_cache if share_prefix_cache is None else share_prefix_cache
         )
         self.default_eos = frozenset(lm.eos_token_ids)
-        self.scheduler = Scheduler(
+        self.core = EngineCore(
+            lm.decoder,
             max_batch=max_batch,
             token_budget=token_budget or lm.token_budget,
             chunk_tokens=chunk_tokens or lm.chunk_tokens,
             prefix_cache=spec.prefix_cache if prefix_cache is None else prefix_cache,
+            product_threads=lm.product_threads,
+            # The service holds a request within its model's context window (a
+            # longer one, within the budget, still runs: its slot grows by copying).
+            slot_tokens=min(spec.context_window, token_budget or lm.token_budget),
         )
-        self.runner = ModelRunner(lm.decoder, max_batch, lm.product_threads)
+        self._threads = lm.threads  # OpenMP threads of its steps (0: torch's own count)
         self._ids = itertools.count(1)
-        self._inbox: collections.deque[Request] = collections.deque()
+        self._inbox: collections.deque[tuple[Request, RowSampling]] = collections.deque()
         # Salts to forget (None: every entry), in the order erasures came.
         self._forget: list[frozenset[str] | None] = []
         self._generations: dict[int, tuple[Generation, TokenCallback | None]] = {}
+        self._by_request_id: dict[str, Generation] = {}  # the callers' ids (abort)
         self._wakeup = threading.Condition()
         self._closing = False
         self._draining = False
@@ -228,6 +278,14 @@ class BatchingEngine:
         self._thread.start()
 
     @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.core.runner
+
+    @property
     def token_budget(self) -> int:
         return self.scheduler.token_budget
 
@@ -238,10 +296,41 @@ class BatchingEngine:
 
     # --- the callers' side -----------------------------------------------------------
 
-    def submit(
+    def submit(self, request: EngineRequest) -> Generation:
+        """Queue ``request`` (``interface.EngineClient.submit``); thread-safe.
+
+        Its constraint must carry its compiled grammar: this engine masks
+        logits itself. It samples by temperature alone (``top_p`` 1, no
+        ``seed``), and refuses other settings."""
+        sampling = request.sampling
+        if sampling.top_p != 1.0 or sampling.seed is not None:
+            raise ValueError("This engine samples by temperature alone (top_p 1, no seed).")
+        constraint = request.constraint
+        if constraint is not None and not isinstance(constraint.compiled, xgr.CompiledGrammar):
+            raise ValueError("This engine needs the constraint's compiled grammar.")
+        ids = request.prompt_token_ids
+        cut = len(ids) - request.resumed_tokens
+        return self.add_request(
+            ids[:cut],
+            sampling,
+            generated_ids=ids[cut:],
+            grammar=None if constraint is None else constraint.compiled,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            request_id=request.request_id,
+        )
+
+    def abort(self, request_id: str) -> None:
+        """End a request before its next token (``interface.EngineClient.abort``)."""
+        with self._wakeup:
+            generation = self._by_request_id.get(request_id)
+        if generation is not None:
+            generation.cancel()
+
+    def add_request(
         self,
         prompt_ids: Sequence[int],
-        sampling: Sampling,
+        sampling: SamplingParams,
         on_token: TokenCallback | None = None,
         *,
         generated_ids: Sequence[int] = (),
@@ -249,37 +338,40 @@ class BatchingEngine:
         eos_token_ids: Iterable[int] | None = None,
         priority: int = 0,
         cache_salt: str = "",
+        request_id: str | None = None,
     ) -> Generation:
         """Queue one generation; thread-safe.
 
         ``generated_ids`` are tokens an earlier attempt already produced
         (resume): they are fed after the prompt, the grammar's matcher first
-        accepts them, and ``sampling.max_new_tokens`` counts only new tokens.
+        accepts them, and ``sampling.max_tokens`` counts only new tokens.
         ``grammar`` (from ``workers.constraints.compiled_grammar``) constrains
         every sampled token. ``eos_token_ids`` default to the model's.
         Waiting requests are admitted in ``priority`` order (lower first),
         then in the order they came. ``cache_salt`` (``owner_salt``): it
-        reuses prefixes only of requests with the same salt.
+        reuses prefixes only of requests with the same salt. ``request_id``
+        (default: a number of the engine's) is the name ``abort`` takes.
         """
+        eos = frozenset(eos_token_ids) if eos_token_ids is not None else self.default_eos
         request = Request(
             id=next(self._ids),
             prompt_ids=[*prompt_ids, *generated_ids],
-            max_new_tokens=sampling.max_new_tokens,
-            eos_token_ids=(
-                frozenset(eos_token_ids) if eos_token_ids is not None else self.default_eos
-            ),
+            max_new_tokens=sampling.max_tokens,
+            eos_token_ids=eos,
             priority=priority,
             cache_salt=cache_salt,
-            payload=RowSampling(sampling.temperature, grammar, list(generated_ids)),
         )
         if not request.prompt_ids:
             raise ValueError("A generation needs at least one prompt token.")
-        generation = Generation(request.id, streamed=on_token is None)
+        row = RowSampling(sampling.temperature, grammar, list(generated_ids), eos)
+        name = request_id if request_id is not None else str(request.id)
+        generation = Generation(name, streamed=on_token is None)
         with self._wakeup:
             if self._closing:
                 raise RuntimeError("The engine is closed.")
             self._generations[request.id] = (generation, on_token)
-            self._inbox.append(request)
+            self._by_request_id[name] = generation
+            self._inbox.append((request, row))
             self._wakeup.notify()
         return generation
 
@@ -358,15 +450,15 @@ class BatchingEngine:
     # --- the engine thread ------------------------------------------------------------
 
     def _loop(self) -> None:
-        scheduler = self.scheduler
-        if self.lm.threads:  # thread counts are per thread: the engine's own
-            torch.set_num_threads(self.lm.threads)
+        core = self.core
+        if self._threads:  # thread counts are per thread: the engine's own
+            torch.set_num_threads(self._threads)
         with torch.inference_mode():
             while True:
                 with self._wakeup:
                     while (
                         not self._closing
-                        and not scheduler.has_work
+                        and not core.has_work
                         and not self._inbox
                         and not self._forget
                     ):
@@ -376,10 +468,10 @@ class BatchingEngine:
                     arrived = list(self._inbox)
                     self._inbox.clear()
                     forgotten, self._forget = self._forget, []
-                for request in arrived:
-                    scheduler.add(request)
+                for request, row in arrived:
+                    core.add(request, row)
                 for salts in forgotten:  # after the arrivals: they came before the erasure
-                    scheduler.forget(salts)
+                    core.forget(salts)
                 if self._sharing_cores and not self._cores_shared:
                     half = max(1, self._process_threads // 2)
                     torch.set_num_threads(min(torch.get_num_threads(), half))
@@ -387,70 +479,58 @@ class BatchingEngine:
                     self._cores_shared = True
                 self._abort_cancelled()
                 if self._draining:
-                    self._preempt_all()
-                plan = scheduler.schedule()
-                for request in plan.ended:
-                    self._end(request)
-                if not plan.chunks:
-                    # Nothing admitted can wait on memory with nothing running: a
-                    # prompt larger than the whole budget fails instead. What
-                    # ended meanwhile still moves its memory (a request
-                    # cancelled alone leaves its prefix in the cache, which the
-                    # next request with that prefix adopts).
-                    self.runner.apply(plan.memory_ops)
-                    continue
-                try:
-                    result = self.runner.execute(plan)
-                except Exception as exc:  # the model itself failed: every row shares that fate
-                    log.exception("Step failed for %d generations", len(plan.chunks))
-                    for chunk in plan.chunks:
-                        scheduler.abort(chunk.request, RequestStatus.FAILED, exc)
-                        self._end(chunk.request)
-                    continue
-                for request in scheduler.update(plan, result.sampled, result.failed):
-                    self._deliver(request, result.sampled.get(request.id))
+                    for output in core.abort_all(RequestStatus.PREEMPTED):
+                        self._deliver(output)
+                for output in core.step():
+                    self._deliver(output)
             with self._wakeup:  # closed: whatever is left ends cancelled
-                leftover = [*self._inbox, *scheduler.waiting, *scheduler.running]
+                leftover = [request for request, _ in self._inbox]
                 self._inbox.clear()
+            for output in core.abort_all(RequestStatus.CANCELLED):
+                self._deliver(output)
             for request in leftover:
-                self._end(request, RequestStatus.CANCELLED)
+                self._end(request.id, FinishReason.CANCELLED)
 
     def _abort_cancelled(self) -> None:
-        for request in [*self.scheduler.waiting, *self.scheduler.running]:
-            generation, _ = self._generations[request.id]
+        for request_id, (generation, _) in list(self._generations.items()):
             if generation.cancel_requested:
-                self.scheduler.abort(request, RequestStatus.CANCELLED)
-                self._end(request)
+                output = self.core.abort(request_id, RequestStatus.CANCELLED)
+                if output is not None:
+                    self._deliver(output)
 
-    def _preempt_all(self) -> None:
-        for request in [*self.scheduler.waiting, *self.scheduler.running]:
-            self.scheduler.abort(request, RequestStatus.PREEMPTED)
-            self._end(request)
-
-    def _deliver(self, request: Request, token_id: int | None) -> None:
-        """Hand a step's token to its caller, and end the generation if the
-        request has ended."""
-        generation, on_token = self._generations[request.id]
+    def _deliver(self, output: StepOutput) -> None:
+        """Hand a step's output to its caller: its token, then its end if it
+        has ended (or its caller's cancel, stop or failing callback ended it)."""
+        generation, on_token = self._generations[output.request_id]
         if generation.cancel_requested:  # its token is not delivered
-            self.scheduler.abort(request, RequestStatus.CANCELLED)
-            self._end(request, RequestStatus.CANCELLED)
+            self.core.abort(output.request_id, RequestStatus.CANCELLED)
+            self._end(output.request_id, FinishReason.CANCELLED)
             return
-        if token_id is not None:
-            generation.cached_tokens = request.cached_tokens
+        ended = output
+        if output.token_id is not None:
+            generation.cached_tokens = output.cached_tokens
             try:
-                stop = generation._deliver(token_id, on_token)
+                stop = generation._deliver(output.token_id, on_token)
             except Exception as exc:  # the caller's callback: only this request fails
-                log.warning("Generation %s failed in its callback", request.id, exc_info=True)
-                self.scheduler.abort(request, RequestStatus.FAILED, exc)
+                log.warning(
+                    "Generation %s failed in its callback", output.request_id, exc_info=True
+                )
+                ended = self.core.abort(output.request_id, RequestStatus.FAILED, exc) or output
             else:
                 if stop:
-                    self.scheduler.abort(request, RequestStatus.FINISHED_STOPPED)
-        if request.status.finished:
-            self._end(request)
+                    ended = (
+                        self.core.abort(output.request_id, RequestStatus.FINISHED_STOPPED) or output
+                    )
+        if ended.finish_reason is not None:
+            self._end(output.request_id, ended.finish_reason, ended.error)
 
-    def _end(self, request: Request, status: RequestStatus | None = None) -> None:
-        generation, _ = self._generations.pop(request.id)
-        generation._finish(cast(FinishReason, (status or request.status).value), request.error)
+    def _end(
+        self, request_id: int, reason: FinishReason, error: BaseException | None = None
+    ) -> None:
+        generation, _ = self._generations.pop(request_id)
+        with self._wakeup:
+            self._by_request_id.pop(generation.request_id, None)
+        generation._finish(reason, error)
 
 
 _engines: dict[str, BatchingEngine] = {}
@@ -469,7 +549,7 @@ def drain_all() -> None:
         engine.drain()
 
 
-def engine_for(lm: LoadedModel, max_batch: int = 8) -> BatchingEngine:
+def engine_for(lm: ServedModel, max_batch: int = 8) -> BatchingEngine:
     """The process's one engine for a loaded model, started on first use
     (``max_batch`` counts only then)."""
     with _engines_lock:

@@ -52,78 +52,20 @@ when they end.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import sys
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from .request import Request, RequestStatus
 
-class RequestStatus(enum.Enum):
-    """Where a request is; the finished ones' values are the engine's finish reasons."""
-
-    WAITING = "waiting"  # not admitted: holds no memory
-    PREFILLING = "prefilling"  # admitted; its prompt is computed chunk by chunk
-    DECODING = "decoding"  # one token a step
-    FINISHED_EOS = "eos"  # the model ended it
-    FINISHED_LENGTH = "length"  # max_new_tokens reached
-    FINISHED_STOPPED = "stopped"  # its caller asked
-    CANCELLED = "cancelled"
-    PREEMPTED = "preempted"  # its memory was needed: to be resumed elsewhere or later
-    FAILED = "error"
-
-    @property
-    def finished(self) -> bool:
-        return self not in _UNFINISHED
-
-
-_UNFINISHED = frozenset({RequestStatus.WAITING, RequestStatus.PREFILLING, RequestStatus.DECODING})
-
-
+# What ends without being cached: a failure's memory may be wrong, a
+# preemption's is what the others need.
 _NOT_KEPT = frozenset({RequestStatus.FAILED, RequestStatus.PREEMPTED})
 
 
 class BudgetExceededError(Exception):
     """A request that cannot fit in the model's token budget even alone."""
-
-
-@dataclass(eq=False)
-class Request:
-    """One generation inside the engine.
-
-    ``prompt_ids`` is everything fed before the first token sampled here:
-    the prompt, and the tokens an earlier attempt generated (a resume).
-    ``num_computed`` counts the tokens whose keys and values the model
-    runner holds for it; ``cached_tokens`` how many of those came from the
-    prefix cache. ``payload`` is what the model runner needs to sample for
-    it (temperature, grammar): opaque here. ``cache_salt``: it reuses, and
-    shares, keys and values only with requests of the same salt; once
-    ``cacheable`` is off (an erasure named its salt), nothing it computed is
-    shared or kept.
-    """
-
-    id: int
-    prompt_ids: list[int]
-    max_new_tokens: int
-    eos_token_ids: frozenset[int]
-    priority: int = 0  # lower is admitted first (the task's fair key), then arrival
-    payload: object = None
-    cache_salt: str = ""
-    cacheable: bool = True
-    status: RequestStatus = RequestStatus.WAITING
-    output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    cached_tokens: int = 0
-    error: BaseException | None = None
-
-    @property
-    def reserved(self) -> int:
-        """Tokens this request holds room for once admitted: its prompt whole,
-        and every token generated (the last one is fed at the next step)."""
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    def token_ids(self) -> list[int]:
-        return [*self.prompt_ids, *self.output_ids]
 
 
 # --- what a step does ----------------------------------------------------------------
@@ -175,29 +117,29 @@ MemoryOp = Adopt | Share | Release | Evict
 
 @dataclass(frozen=True)
 class Chunk:
-    """Tokens one request feeds in a step: ``token_ids`` at positions from
-    ``start``; with ``sample``, the step ends its input and its next token
-    is sampled from the last one."""
+    """Tokens request ``request_id`` feeds in a step: ``token_ids`` at
+    positions from ``start`` (of its prompt with ``prefill``, else its last
+    generated token); with ``sample``, the step ends its input and its next
+    token is sampled from the last one."""
 
-    request: Request
+    request_id: int
     start: int
     token_ids: list[int]
     sample: bool
-
-    @property
-    def is_prefill(self) -> bool:
-        return not self.request.output_ids
+    prefill: bool = True
 
 
 @dataclass(frozen=True)
 class StepPlan:
     """One step: the memory operations to apply first, in order, then the
-    chunks to compute together; ``ended`` are the requests the scheduler
-    finished while planning (preempted, or too large to ever fit)."""
+    chunks to compute together; ``ended`` are the ids of the requests the
+    scheduler finished while planning (preempted, or too large to ever fit).
+    It names requests by id only: what it carries is copied, never a live
+    request of the scheduler's."""
 
     memory_ops: list[MemoryOp]
     chunks: list[Chunk]
-    ended: list[Request]
+    ended: list[int]
 
 
 @dataclass
@@ -352,6 +294,7 @@ class Scheduler:
         self.cache = PrefixCache() if prefix_cache else None
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # in the order they were admitted
+        self._requests: dict[int, Request] = {}  # the waiting and running ones, by id
         self.stats = SchedulerStats()
         self._arrivals = itertools.count()
         self._arrival: dict[int, int] = {}
@@ -361,6 +304,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
+        self._requests[request.id] = request
         self._arrival[request.id] = next(self._arrivals)
         self.waiting.append(request)
         self.waiting.sort(key=lambda r: (r.priority, self._arrival[r.id]))
@@ -398,7 +342,7 @@ class Scheduler:
         ended += self._admit()
         self.stats.peak_held_tokens = max(self.stats.peak_held_tokens, self.held_tokens)
         chunks = [
-            Chunk(request, request.num_computed, [request.output_ids[-1]], sample=True)
+            Chunk(request.id, request.num_computed, [request.output_ids[-1]], True, prefill=False)
             for request in self.running
             if request.status == RequestStatus.DECODING
         ]
@@ -411,11 +355,13 @@ class Scheduler:
             start = request.num_computed
             end = min(len(request.prompt_ids), start + prompt_room)
             chunks.append(
-                Chunk(request, start, request.prompt_ids[start:end], end == len(request.prompt_ids))
+                Chunk(
+                    request.id, start, request.prompt_ids[start:end], end == len(request.prompt_ids)
+                )
             )
             prompt_room -= end - start
         memory_ops, self._memory_ops = self._memory_ops, []
-        return StepPlan(memory_ops, chunks, ended)
+        return StepPlan(memory_ops, chunks, [request.id for request in ended])
 
     def update(
         self,
@@ -429,13 +375,15 @@ class Scheduler:
         failed = failed or {}
         changed = []
         for chunk in plan.chunks:
-            request = chunk.request
+            request = self._requests.get(chunk.request_id)
+            if request is None:  # ended since the plan was made
+                continue
             if request.id in failed:
                 self._finish(request, RequestStatus.FAILED, failed[request.id])
                 changed.append(request)
                 continue
             request.num_computed += len(chunk.token_ids)
-            if chunk.is_prefill:
+            if chunk.prefill:
                 self.stats.prompt_tokens_computed += len(chunk.token_ids)
             if not chunk.sample:
                 continue
@@ -605,6 +553,7 @@ class Scheduler:
         request.status = status
         request.error = error
         self._arrival.pop(request.id, None)
+        self._requests.pop(request.id, None)
 
 
 def _common_prefix(first: Sequence[int], second: Sequence[int]) -> int:

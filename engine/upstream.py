@@ -1,0 +1,309 @@
+"""An engine behind another server: vLLM's OpenAI-compatible completions API.
+
+Why: a site with a GPU host runs vLLM there, and lmsp keeps what vLLM does
+not have in front of it (durable tasks, numbered events, resume, budgets).
+This client implements ``engine.interface.EngineClient`` over HTTP, so the
+worker runs an upstream model's tasks exactly as its own engine's.
+
+Each request is one streamed ``POST {base_url}/completions`` whose
+``prompt`` is token ids (the prompt lmsp rendered, then for a resumed
+attempt the tokens generated so far) with ``return_token_ids``: vLLM sends
+back the ids it generated, its end token included, so a greedy
+continuation is token for token the uninterrupted answer. A constrained
+request resumed is asked again from its answer's start instead (vLLM's
+grammar cannot start mid-answer), with the same seed: the tokens it gives
+again are checked against those generated so far and dropped, and a
+difference fails the request rather than splice two answers. A constraint goes
+as ``structured_outputs.structural_tag`` (vLLM compiles it with xgrammar,
+as lmsp does); the usage chunk (``stream_options.include_usage``) brings the
+prompt tokens vLLM took from its prefix cache when it runs with
+``--enable-prompt-tokens-details``.
+
+``abort`` closes the request's connection: vLLM aborts a request whose
+client went away. A request the server cannot take now (refused connection,
+timeout, a 5xx or 429) ends ``UNAVAILABLE`` with the reason in ``error``, for
+the caller to retry later from its tokens so far; any other 4xx (context too
+long, unknown model) ends ``ERROR`` with the server's message. At most
+``max_concurrency`` requests are in flight at once; the others wait, lower
+``priority`` first.
+
+The API key is given by the caller (read from the environment there) and
+kept out of this object's ``repr``. Errors say "the server", never its
+address: they reach the task's owner.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from .interface import EngineOutput, EngineRequest, FinishReason, queued_outputs
+
+# Statuses that mean "not now" rather than "never": the request waits and is retried.
+RETRYABLE_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
+# vLLM's finish reasons: "stop" (an end token or a stop string), "length", and
+# "abort", which a request lmsp did not abort gets when the server shuts down:
+# not now, rather than never.
+FINISH_REASONS = {"stop": FinishReason.EOS, "length": FinishReason.LENGTH}
+
+
+@dataclass(frozen=True)
+class UpstreamServer:
+    """Where and how to reach the server for one model."""
+
+    base_url: str  # up to /v1
+    model: str  # its served model name
+    api_key: str = field(default="", repr=False)
+    max_concurrency: int = 8
+    connect_timeout: float = 5.0
+    read_timeout: float = 120.0
+
+
+class Unavailable(Exception):
+    """The server cannot take a request now (retry later)."""
+
+
+class Refused(Exception):
+    """The server refused the request itself (4xx): retrying will not help."""
+
+
+class _Stream:
+    """One request's outputs (``engine.interface.OutputStream``)."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.queue: queue.SimpleQueue[EngineOutput] = queue.SimpleQueue()
+        self.aborted = threading.Event()
+        self.response: httpx.Response | None = None
+        self.lock = threading.Lock()
+
+    def outputs(self, poll: float) -> Iterator[EngineOutput | None]:
+        return queued_outputs(self.queue, poll)
+
+
+class UpstreamEngine:
+    """``EngineClient`` for one model on one server (see the module's docstring)."""
+
+    def __init__(self, server: UpstreamServer) -> None:
+        self.server = server
+        headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+        self._client = httpx.Client(
+            base_url=server.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(server.read_timeout, connect=server.connect_timeout),
+            limits=httpx.Limits(max_connections=server.max_concurrency + 2),
+        )
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Condition()
+        self._in_flight = 0
+        self._order = itertools.count()
+        self._waiting: list[tuple[int, int, str]] = []  # (priority, arrival, request id)
+        self._closed = False
+
+    # --- EngineClient ------------------------------------------------------------------
+
+    def submit(self, request: EngineRequest) -> _Stream:
+        if not request.prompt_token_ids:
+            raise ValueError("A generation needs at least one prompt token.")
+        stream = _Stream(request.request_id)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("The engine is closed.")
+            self._streams[request.request_id] = stream
+        threading.Thread(
+            target=self._run, args=(request, stream), name=f"upstream-{request.request_id}",
+            daemon=True,
+        ).start()  # fmt: skip
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                return
+            stream.aborted.set()
+            self._lock.notify_all()  # a waiting request leaves its turn
+        with stream.lock:
+            response = stream.response
+        if response is not None:
+            response.close()  # the server sees its client gone and aborts the request
+
+    # --- health and lifetime -------------------------------------------------------------
+
+    @property
+    def running(self) -> int:
+        return self._in_flight
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            streams = list(self._streams)
+        for request_id in streams:
+            self.abort(request_id)
+        self._client.close()
+
+    # --- one request, on a thread of its own ------------------------------------------------
+
+    def _run(self, request: EngineRequest, stream: _Stream) -> None:
+        finish, error, cached = FinishReason.CANCELLED, None, 0
+        try:
+            if self._take_turn(request, stream):
+                try:
+                    finish, cached = self._generate(request, stream)
+                finally:
+                    with self._lock:
+                        self._in_flight -= 1
+                        self._lock.notify_all()
+        except Unavailable as exc:
+            finish, error = FinishReason.UNAVAILABLE, str(exc)
+        except Refused as exc:
+            finish, error = FinishReason.ERROR, str(exc)
+        except httpx.HTTPError as exc:
+            if not stream.aborted.is_set():
+                finish, error = FinishReason.UNAVAILABLE, _unreachable(exc)
+        except Exception as exc:  # a malformed answer: this request alone fails
+            finish, error = FinishReason.ERROR, f"{exc.__class__.__name__}: {exc}"
+        if stream.aborted.is_set():
+            finish, error = FinishReason.CANCELLED, None
+        with self._lock:
+            self._streams.pop(request.request_id, None)
+        stream.queue.put(EngineOutput(request.request_id, (), finish, cached, error))
+
+    def _take_turn(self, request: EngineRequest, stream: _Stream) -> bool:
+        """Wait for one of ``max_concurrency`` places, lower priority first; False if aborted."""
+        entry = (request.priority, next(self._order), request.request_id)
+        with self._lock:
+            self._waiting.append(entry)
+            try:
+                while not stream.aborted.is_set() and (
+                    self._in_flight >= self.server.max_concurrency or min(self._waiting) != entry
+                ):
+                    self._lock.wait(0.5)
+            finally:
+                self._waiting.remove(entry)
+                self._lock.notify_all()
+            if stream.aborted.is_set():
+                return False
+            self._in_flight += 1
+            return True
+
+    def _body(self, request: EngineRequest) -> dict[str, Any]:
+        sampling = request.sampling
+        replayed = _replayed(request)
+        body: dict[str, Any] = {
+            "model": self.server.model,
+            "prompt": list(request.prompt_token_ids[: len(request.prompt_token_ids) - replayed]),
+            "max_tokens": sampling.max_tokens + replayed,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        }
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        if request.cache_salt:
+            body["cache_salt"] = request.cache_salt
+        if request.constraint is not None:
+            body["structured_outputs"] = {"structural_tag": request.constraint.structural_tag}
+        return body
+
+    def _generate(self, request: EngineRequest, stream: _Stream) -> tuple[FinishReason, int]:
+        finish: FinishReason | None = None
+        cached = 0
+        # A constrained continuation is asked again from the answer's start:
+        # its first tokens must be the ones generated so far, and are dropped.
+        expected = request.prompt_token_ids[len(request.prompt_token_ids) - _replayed(request) :]
+        replayed: tuple[int, ...] = ()
+        with self._client.stream("POST", "/completions", json=self._body(request)) as response:
+            with stream.lock:
+                stream.response = response
+            if stream.aborted.is_set():
+                return FinishReason.CANCELLED, 0
+            if response.status_code != 200:
+                message = _message(response)
+                if response.status_code in RETRYABLE_STATUSES:
+                    raise Unavailable(f"the server answered {response.status_code}: {message}")
+                raise Refused(message)
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:  # an error once streaming has begun
+                    raise Unavailable(str(chunk["error"].get("message", chunk["error"])))
+                usage = chunk.get("usage") or {}
+                cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                for choice in chunk.get("choices", []):
+                    ids = tuple(choice.get("token_ids") or ())
+                    if len(replayed) < len(expected):
+                        taken = len(expected) - len(replayed)
+                        replayed, ids = replayed + ids[:taken], ids[taken:]
+                        if replayed != expected[: len(replayed)]:
+                            raise Refused(
+                                f"the server did not give the {len(expected)} tokens generated "
+                                "so far again: the constrained answer cannot go on exactly"
+                            )
+                    if ids and not stream.aborted.is_set():
+                        stream.queue.put(EngineOutput(request.request_id, ids))
+                    reason = choice.get("finish_reason")
+                    if reason and reason not in FINISH_REASONS:
+                        raise Unavailable(f"the server ended the request ({reason})")
+                    if reason:
+                        finish = FINISH_REASONS[reason]
+        if stream.aborted.is_set():
+            return FinishReason.CANCELLED, cached
+        if finish is None:  # the answer stopped short: the server went away
+            raise Unavailable("the server ended its answer before it finished")
+        return finish, cached
+
+
+def _replayed(request: EngineRequest) -> int:
+    """How many of the tokens generated so far are asked again rather than
+    sent: all of them for a constrained request (vLLM's grammar starts where
+    the request's prompt ends, and cannot be given a state), none otherwise."""
+    return request.resumed_tokens if request.constraint is not None else 0
+
+
+def probe(server: UpstreamServer) -> str | None:
+    """None when the server answers ``GET /models`` listing the model, else why not."""
+    headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+    try:
+        answer = httpx.get(
+            f"{server.base_url}/models", headers=headers, timeout=server.connect_timeout
+        )
+    except httpx.HTTPError as exc:
+        return _unreachable(exc)
+    if answer.status_code != 200:
+        return f"the server answered {answer.status_code}: {_message(answer)}"
+    try:
+        served = {model.get("id") for model in answer.json().get("data", [])}
+    except (ValueError, AttributeError):
+        return "the server answered /models with something else than a model list"
+    if server.model not in served:
+        return f"the server does not serve {server.model!r}"
+    return None
+
+
+def _message(response: httpx.Response) -> str:
+    """The server's own message of an error answer (OpenAI's ``error.message``)."""
+    text = response.read().decode(errors="replace")
+    try:
+        error = json.loads(text).get("error", {})
+        return str(error.get("message") or text)[:2000]
+    except (ValueError, AttributeError):
+        return text[:2000]
+
+
+def _unreachable(exc: httpx.HTTPError) -> str:
+    return f"the server is unreachable ({exc.__class__.__name__})"
