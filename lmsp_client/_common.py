@@ -3,8 +3,9 @@
 Everything but the I/O lives here, once: configuration, the request of each
 endpoint (method, path, body, headers, timeout), how each answer is read,
 and the state machines of a direct stream and of a resumable ``follow``
-(last id, backoff, ``204``, ``410``, gap checks, when to give up). ``Client``
-and ``AsyncClient`` keep only the loop that sends, awaits and sleeps.
+(last id, backoff, ``204``, ``410``, gap checks, when to give up), and the
+one loop that runs a stream (``run``). ``Client`` and ``AsyncClient`` keep
+only the I/O: how to send, open a stream and sleep.
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ import json
 import os
 import random
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+)
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, cast
 
@@ -326,7 +335,7 @@ def is_retryable(error: BaseException) -> bool:
     return isinstance(error, ProblemError) and error.status in RETRYABLE_STATUSES
 
 
-def real_events(sse_events: Iterable[ServerSentEvent]) -> Iterator[Event]:
+async def real_events(sse_events: AsyncIterable[ServerSentEvent]) -> AsyncGenerator[Event, None]:
     """Typed events of an SSE stream.
 
     httpx-sse dispatches a blank line that follows only a comment (our
@@ -334,13 +343,6 @@ def real_events(sse_events: Iterable[ServerSentEvent]) -> Iterator[Event]:
     SSE standard does not dispatch an event whose data buffer is empty, so
     neither do we.
     """
-    for sse in sse_events:
-        if sse.data:
-            yield event_of(sse)
-
-
-async def areal_events(sse_events: AsyncIterable[ServerSentEvent]) -> AsyncIterator[Event]:
-    """``real_events`` for an async stream."""
     async for sse in sse_events:
         if sse.data:
             yield event_of(sse)
@@ -426,18 +428,8 @@ ReconnectCallback = Callable[[Reconnect], object]
 
 
 class Stream:
-    """The plan of one stream of events, across its connections. The clients
-    run it in one loop (``Client._run``, ``AsyncClient._run``)::
-
-        while True:
-            try:
-                open a connection with request()
-                    read the body of an error answer; stop if not opened(answer)
-                    for each event: if accept(event), yield it; stop after a final one
-                ended()
-            except DROPS as error:
-                reconnect = retry(error); tell on_reconnect; sleep reconnect.delay
-    """
+    """The plan of one stream of events, across its connections, which
+    ``run`` carries out for both clients."""
 
     on_reconnect: ReconnectCallback | None = None
 
@@ -455,7 +447,8 @@ class Stream:
         raise NotImplementedError
 
     def ended(self) -> None:
-        """The connection closed before a final event: raise."""
+        """The connection closed before a final event: raise (a drop that
+        ``retry`` answers, or the end)."""
         raise NotImplementedError
 
     def retry(self, error: BaseException) -> Reconnect:
@@ -512,8 +505,9 @@ class Follow(Stream):
     until ``reconnect_timeout`` seconds pass without progress.
 
     Its constructor is the public signature of ``follow``, sync and async.
-    ``on_reconnect`` is told each ``Reconnect`` before the wait; the async
-    client awaits what it returns if that is awaitable."""
+    ``on_reconnect`` is told each ``Reconnect`` before the wait; what it
+    returns is awaited if that is awaitable (the sync client cannot wait on
+    anything asynchronous: it raises ``RuntimeError`` if that suspends)."""
 
     def __init__(
         self,
@@ -564,3 +558,77 @@ class Follow(Stream):
             ) from error
         delay = self.backoff.next_delay()
         return Reconnect(self.task_id, self.backoff.failures, delay, self.state.last, error)
+
+
+# --- the one loop that runs a stream, for both clients ------------------------------
+
+Connection = tuple[httpx.Response, AsyncIterable[ServerSentEvent]]
+# Opens a connection (an error answer's body read): its answer and its events.
+Connect = Callable[[Request[JSON]], AbstractAsyncContextManager[Connection]]
+
+
+async def run(
+    stream: Stream, connect: Connect, sleep: Callable[[float], Awaitable[object]]
+) -> AsyncGenerator[Event, None]:
+    """The events ``stream`` delivers, across its connections: each
+    connection's until a final one; a connection that closes before it, or
+    breaks, is a drop that ``stream.retry`` answers (its ``on_reconnect`` is
+    told, and awaited if it returns an awaitable), and the next connection
+    opens after its delay. ``AsyncClient`` iterates it; ``Client`` runs it
+    through ``blocking``, its I/O and sleep blocking rather than suspending."""
+    while True:
+        try:
+            async with connect(stream.request()) as (response, sse_events):
+                if not stream.opened(response):
+                    return
+                async for event in real_events(sse_events):
+                    if stream.accept(event):
+                        yield event
+                        if event.is_final:
+                            return
+            stream.ended()
+        except DROPS as error:
+            reconnect = stream.retry(error)
+            told = stream.on_reconnect(reconnect) if stream.on_reconnect else None
+            if inspect.isawaitable(told):
+                await told
+            await sleep(reconnect.delay)
+
+
+async def unblocked(items: Iterable[T]) -> AsyncGenerator[T, None]:
+    """A blocking iterator (the sync client's events) as ``run`` reads it."""
+    for item in items:
+        yield item
+
+
+async def sleep_blocking(seconds: float) -> None:
+    """``time.sleep`` as ``run`` awaits it, for the sync client."""
+    time.sleep(seconds)
+
+
+def blocking(items: AsyncGenerator[T, None]) -> Iterator[T]:
+    """The items of an async generator that never suspends (``run`` over the
+    sync client's blocking I/O), as a plain iterator; closing it closes
+    them."""
+    try:
+        while True:
+            try:
+                yield _completed(anext(items))
+            except StopAsyncIteration:
+                return
+    finally:
+        _completed(items.aclose())
+
+
+def _completed(step: Awaitable[T]) -> T:
+    """The result of an awaitable that finishes without suspending."""
+    steps = step.__await__()
+    try:
+        steps.send(None)
+    except StopIteration as done:
+        return cast(T, done.value)
+    steps.close()
+    raise RuntimeError(
+        "the synchronous client was asked to wait on something asynchronous "
+        "(an on_reconnect coroutine that awaits?): use AsyncClient"
+    )

@@ -1,23 +1,24 @@
 """The asynchronous LMSP client: the same calls as ``Client``, awaitable.
 
 Both clients run the same sans-I/O core (``_common.py``): the request of
-each endpoint, how its answer is read, and the state machines of a direct
-stream and of a resumable ``follow``. This module only awaits the I/O; the
-full description of each method is on its ``Client`` twin.
+each endpoint, how its answer is read, the state machines of a direct
+stream and of a resumable ``follow``, and the loop that runs them
+(``common.run``). This module only awaits the I/O; the full description of
+each method is on its ``Client`` twin.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import httpx
 from httpx_sse import EventSource
 
 from . import _common as common
-from ._common import ReconnectCallback, ResponseOptions, response_options, takes
+from ._common import ResponseOptions, response_options, takes
 from .events import Event
 
 T = TypeVar("T")
@@ -43,29 +44,15 @@ class AsyncClient(common.ClientBase[httpx.AsyncClient, httpx.AsyncBaseTransport]
     async def _call(self, request: common.Request[T]) -> T:
         return request.answer(await self._http.request(**request.send))
 
-    async def _run(
-        self, stream: common.Stream, on_reconnect: ReconnectCallback | None = None
-    ) -> AsyncIterator[Event]:
-        while True:
-            try:
-                async with self._http.stream(**stream.request().send) as response:
-                    if response.is_error:
-                        await response.aread()
-                    if not stream.opened(response):
-                        return
-                    async for event in common.areal_events(EventSource(response).aiter_sse()):
-                        if stream.accept(event):
-                            yield event
-                            if event.is_final:
-                                return
-                stream.ended()
-            except common.DROPS as error:
-                reconnect = stream.retry(error)
-                if stream.on_reconnect is not None:
-                    outcome = stream.on_reconnect(reconnect)
-                    if inspect.isawaitable(outcome):
-                        await outcome
-                await asyncio.sleep(reconnect.delay)
+    def _run(self, stream: common.Stream) -> AsyncIterator[Event]:
+        return common.run(stream, self._connect, asyncio.sleep)
+
+    @asynccontextmanager
+    async def _connect(self, request: common.Request[Any]) -> AsyncIterator[common.Connection]:
+        async with self._http.stream(**request.send) as response:
+            if response.is_error:
+                await response.aread()
+            yield response, EventSource(response).aiter_sse()
 
     # --- plain requests ----------------------------------------------------------
 

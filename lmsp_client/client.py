@@ -6,14 +6,17 @@ event stream into one uninterrupted iterator however often the connection
 (or the web process behind it) drops.
 
 What each request is and what each answer, event or drop means lives once,
-without I/O, in ``_common.py``; this module only sends, reads and sleeps.
-``AsyncClient`` (``aio.py``) is its awaitable twin over the same core.
+without I/O, in ``_common.py``, and so does the loop that runs a stream
+(``common.run``, written once with awaits): this module only sends, opens
+streams and sleeps, all blocking, so that loop's awaits never suspend and it
+runs without an event loop (``common.blocking``). ``AsyncClient``
+(``aio.py``) is its awaitable twin over the same core.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import httpx
@@ -47,24 +50,14 @@ class Client(common.ClientBase[httpx.Client, httpx.BaseTransport]):
         return request.answer(self._http.request(**request.send))
 
     def _run(self, stream: common.Stream) -> Iterator[Event]:
-        while True:
-            try:
-                with self._http.stream(**stream.request().send) as response:
-                    if response.is_error:
-                        response.read()
-                    if not stream.opened(response):
-                        return
-                    for event in common.real_events(EventSource(response).iter_sse()):
-                        if stream.accept(event):
-                            yield event
-                            if event.is_final:
-                                return
-                stream.ended()
-            except common.DROPS as error:
-                reconnect = stream.retry(error)
-                if stream.on_reconnect is not None:
-                    stream.on_reconnect(reconnect)
-                time.sleep(reconnect.delay)
+        return common.blocking(common.run(stream, self._connect, common.sleep_blocking))
+
+    @asynccontextmanager
+    async def _connect(self, request: common.Request[Any]) -> AsyncIterator[common.Connection]:
+        with self._http.stream(**request.send) as response:
+            if response.is_error:
+                response.read()
+            yield response, common.unblocked(EventSource(response).iter_sse())
 
     # --- plain requests ----------------------------------------------------------
 

@@ -27,37 +27,70 @@ PROTOCOL_VERSION = "1.0"
 APIS = (API_PREFIX, "/v1/")
 
 
-class ProtocolMiddleware(MiddlewareMixin):
+class ApiErrorMiddleware(MiddlewareMixin):
+    """The errors of one API that no view answered, in that API's own shape:
+    a request refused before its view (an oversized body), an exception
+    that escapes a view, and an error Django answers below the views (a bad
+    ``Host`` header, say) as an HTML page. Each API names its paths
+    (``prefix``), its error documents (``render``, and the content type
+    they carry) and what it checks of a request (``check_request``)."""
+
+    prefix: str
+    error_content_type: str
+
+    def render(self, error: ProblemError) -> HttpResponse:
+        raise NotImplementedError
+
+    def check_request(self, request: HttpRequest) -> None:
+        check_body_size(request.headers.get("Content-Length"))
+
     def process_request(self, request: HttpRequest) -> HttpResponse | None:
-        if not request.path.startswith(API_PREFIX):
+        if not request.path.startswith(self.prefix):
             return None
         try:
-            check_version(request.headers.get("LMSP-Version"))
-            check_body_size(request.headers.get("Content-Length"))
+            self.check_request(request)
         except ProblemError as error:
-            return problem_response(error)
+            return self.render(error)
         return None
 
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
-        if not request.path.startswith(API_PREFIX):
+        if not request.path.startswith(self.prefix):
             return None
         if isinstance(exception, ProblemError):
-            return problem_response(exception)
+            return self.render(exception)
         if isinstance(exception, RequestDataTooBig):
-            return problem_response(too_large())
+            return self.render(too_large())
         log.exception("Unhandled error on %s %s", request.method, request.path)
-        return problem_response(ProblemError("internal_error", "The server failed to answer."))
+        return self.render(ProblemError("internal_error", "The server failed to answer."))
 
     def process_response(self, request: HttpRequest, response: HttpResponse) -> HttpResponse:
-        if request.path.startswith(API_PREFIX) and _is_foreign_error(response):
-            # An error answered below the views (a bad Host header, say) comes as
-            # Django's HTML page; API clients get a problem document instead.
-            code = FALLBACK_CODES.get(response.status_code, "internal_error")
-            kept = {name: response[name] for name in ("Allow",) if response.has_header(name)}
-            response = problem_response(
-                ProblemError(code, response.reason_phrase + ".", headers=kept)
-            )
-        response["LMSP-Version"] = PROTOCOL_VERSION
+        if not request.path.startswith(self.prefix) or response.status_code < 400:
+            return response
+        if response.get("Content-Type", "").startswith(self.error_content_type):
+            return response  # a view's own error
+        code = FALLBACK_CODES.get(response.status_code, "internal_error")
+        kept = {name: response[name] for name in ("Allow",) if response.has_header(name)}
+        return self.render(ProblemError(code, response.reason_phrase + ".", headers=kept))
+
+
+class ProtocolMiddleware(ApiErrorMiddleware):
+    """``/lmsp/``: problem documents, and ``LMSP-Version`` checked on every
+    request and set on every answer."""
+
+    prefix = API_PREFIX
+    error_content_type = "application/problem+json"
+
+    def render(self, error: ProblemError) -> HttpResponse:
+        return problem_response(error)
+
+    def check_request(self, request: HttpRequest) -> None:
+        check_version(request.headers.get("LMSP-Version"))
+        super().check_request(request)
+
+    def process_response(self, request: HttpRequest, response: HttpResponse) -> HttpResponse:
+        response = super().process_response(request, response)
+        if request.path.startswith(API_PREFIX):
+            response["LMSP-Version"] = PROTOCOL_VERSION
         return response
 
 
@@ -67,11 +100,6 @@ FALLBACK_CODES = {
     405: "method_not_allowed",
     413: "payload_too_large",
 }
-
-
-def _is_foreign_error(response: HttpResponse) -> bool:
-    content_type = response.get("Content-Type", "")
-    return response.status_code >= 400 and not content_type.startswith("application/problem+json")
 
 
 def check_version(header: str | None) -> None:

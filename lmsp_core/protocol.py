@@ -94,7 +94,9 @@ def response_object(response: Any) -> dict[str, Any]:  # responses_app.models.Re
 
 def task_object(task: Any, queue_position: int | None = None) -> dict[str, Any]:  # tasks_app Task
     """``queue_position``: 1 for the next task its model's workers take, None
-    (null) when the task is not waiting (tasks_app.fairness computes it)."""
+    (null) when the task is not waiting (tasks_app.fairness computes it).
+    ``waiting_reason``: why its upstream server could not take it, while it
+    waits for that server (tasks_app.upstream_waits), else null."""
     final = task.is_final
     return {
         "id": task.id,
@@ -102,6 +104,8 @@ def task_object(task: Any, queue_position: int | None = None) -> dict[str, Any]:
         "type": "response",
         "status": task.status,
         "queue_position": queue_position,
+        "waiting_reason": task.waiting_reason or None,
+        "waiting_since": timestamp(task.waiting_since),
         "created_at": timestamp(task.created_at),
         "started_at": timestamp(task.started_at),
         "completed_at": timestamp(task.completed_at),

@@ -2,7 +2,8 @@
 
 A task and the response it produces move through the same states, so one
 enum serves both: a response is ``in_progress`` while its task is queued or
-running, and both end with the same final status.
+running, and both end with the same final status (the lifecycle moves a
+response's status with its task's: ``tasks_app.transitions``).
 """
 
 from django.db import models

@@ -292,7 +292,7 @@ CELERY_TASK_IGNORE_RESULT = True
 # worker takes one message at a time, so a crash never loses a message that
 # another worker could have run ("Long running tasks" in Celery's docs). Jobs
 # are idempotent: a redelivered message for a task that is no longer queued
-# is dropped (see tasks_app.lifecycle.claim).
+# is dropped (see tasks_app.claims.claim).
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # A killed child would otherwise be re-queued forever (Celery warns of loops);
@@ -308,11 +308,11 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_DEFAULT_QUEUE = "lmsp.control"
 CELERY_BEAT_SCHEDULE = {
     "sweep-tasks": {
-        "task": "workers.tasks.sweep_tasks",
+        "task": "ops_app.tasks.sweep_tasks",
         "schedule": LMSP_SWEEP_INTERVAL_SECONDS,
     },
     "prune-events": {
-        "task": "workers.tasks.prune_events",
+        "task": "ops_app.tasks.prune_events",
         "schedule": LMSP_PRUNE_INTERVAL_SECONDS,
     },
 }

@@ -44,7 +44,8 @@ from tasks_app.event_log import StoredEvent
 from tasks_app.model_access import allowed_models
 from tasks_app.models import Task, TaskKind
 from tasks_app.stream_access import StreamAccess
-from tasks_app.streams import SSE_HEADERS, admit, admitted, follow_events
+from tasks_app.stream_admission import admit, admitted
+from tasks_app.streams import SSE_HEADERS, follow_events
 
 from . import chat, responses
 from .errors import ParamMap, named_as_sent, openai_view

@@ -32,10 +32,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from generation.registry import available_models
+from generation.registry import available_models, declared_models
 from tasks_app import heartbeat, owner_usage
 
-from . import dashboard, jobs, recorders
+from . import dashboard, jobs, recorders, upstream_health
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +219,7 @@ class LmspCollector(Collector):
             workers.add_metric([model], len(served.get(model, [])))
         yield workers
         yield from self._engines(client, models, served)
+        yield from self._upstreams()
 
         last = GaugeMetricFamily(
             "lmsp_job_last_success_timestamp_seconds",
@@ -237,6 +238,36 @@ class LmspCollector(Collector):
             stale.add_metric([health.job], 1 if health.stale else 0)
         yield last
         yield stale
+
+    def _upstreams(self) -> Iterator[Metric]:
+        """Each upstream model's server as its workers last found it."""
+        models = sorted(
+            model
+            for model, spec in declared_models().items()
+            if spec.upstream is not None and self._audience.shows(model)
+        )
+        up = GaugeMetricFamily(
+            "lmsp_upstream_up",
+            "1 when the model's upstream server answered its worker's last probe or request.",
+            labels=["model"],
+        )
+        checked = GaugeMetricFamily(
+            "lmsp_upstream_checked_timestamp_seconds",
+            "When a worker last probed the model's upstream server (Unix time).",
+            labels=["model"],
+        )
+        since = GaugeMetricFamily(
+            "lmsp_upstream_since_timestamp_seconds",
+            "Since when the upstream server has been up, or down (Unix time).",
+            labels=["model"],
+        )
+        for model, health in sorted(upstream_health.read(models).items()):
+            up.add_metric([model], 1 if health.reachable else 0)
+            checked.add_metric([model], health.checked_at)
+            since.add_metric([model], health.since)
+        yield up
+        yield checked
+        yield since
 
     def _engines(
         self, client: redis.Redis, models: list[str], served: dict[str, list[heartbeat.Beat]]

@@ -33,7 +33,7 @@ PREFIX = "lmsp:metrics:"
 REQUESTS_KEY = PREFIX + "requests"  # field: endpoint \t method \t status
 OUTPUT_TOKENS_KEY = PREFIX + "output_tokens"  # field: model
 ENGINE_COUNTS_KEY = PREFIX + "engine"  # field: model \t count name (ENGINE_COUNTS)
-# What the workers' engines count (workers.scheduler.SchedulerStats).
+# What the workers' engines count (engine.scheduler.SchedulerStats).
 ENGINE_COUNTS = ("prompt_tokens_computed", "prefix_hits", "prefix_tokens_reused", "preemptions")
 STREAMS_PREFIX = PREFIX + "sse:"  # one counter per web process, with a time to live
 JOBS_KEY = "lmsp:jobs:last_success"  # field: job name, value: Unix time

@@ -13,6 +13,9 @@ answer.
 
 from __future__ import annotations
 
+import time
+from datetime import UTC, datetime
+
 from django.db import DatabaseError, connection
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.http import require_GET
@@ -21,10 +24,12 @@ from prometheus_client.exposition import choose_encoder
 
 from accounts_app.models import ApiToken
 from accounts_app.services import authenticate_bearer, require_scope
+from generation.registry import declared_models
 from lmsp_core.errors import ProblemError, problem_response
 from lmsp_core.redis_client import REDIS_ERRORS, redis_client
 from tasks_app.model_access import allowed_models
 
+from . import upstream_health
 from .collector import OPERATOR, Audience, LmspCollector
 
 SCOPE = "metrics:read"
@@ -77,11 +82,40 @@ def _redis_reachable() -> bool:
         return False
 
 
+def _upstream_lines(redis_reachable: bool) -> list[str]:
+    """One line per upstream model: its server as its workers last found it
+    (as Redis holds it)."""
+    models = sorted(model for model, spec in declared_models().items() if spec.upstream)
+    try:
+        found = upstream_health.read(models) if redis_reachable else {}
+    except REDIS_ERRORS:
+        found = {}
+    now, lines = time.time(), []
+    for model in models:
+        health = found.get(model)
+        if health is None:
+            lines.append(f"upstream {model} unknown (no worker has probed it)")
+            continue
+        state = "ok" if health.reachable else "unreachable"
+        since = datetime.fromtimestamp(health.since, UTC).isoformat(timespec="seconds")
+        line = f"upstream {model} {state} since {since}"
+        if not health.reachable:
+            line += f": {health.reason}"
+        if health.stale(now):
+            line += f" (last checked {now - health.checked_at:.0f} s ago)"
+        lines.append(line)
+    return lines
+
+
 @require_GET
 def readyz(request: HttpRequest) -> HttpResponse:
     """200 when this web process reaches PostgreSQL and Redis (a readiness
-    probe: send it requests), else 503; the body names each check's state."""
+    probe: send it requests), else 503; the body names each check's state,
+    then each upstream model's server as its workers last found it. A server
+    down does not make the service unready: its tasks wait queued, saying
+    why (``tasks_app.upstream_waits``), and every other model still runs."""
     checks = {"database": _database_reachable(), "redis": _redis_reachable()}
-    body = "".join(f"{name} {'ok' if ok else 'unreachable'}\n" for name, ok in checks.items())
+    lines = [f"{name} {'ok' if ok else 'unreachable'}" for name, ok in checks.items()]
+    body = "".join(f"{line}\n" for line in [*lines, *_upstream_lines(checks["redis"])])
     status = 200 if all(checks.values()) else 503
     return HttpResponse(body, status=status, content_type="text/plain")

@@ -3,11 +3,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin
-from django.contrib.admin.utils import unquote
 from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest
 
 from generation.registry import declared_models
+from lmsp_core.admin_pages import ChangePageContext
 
 from . import records, transcript
 from .models import Response
@@ -20,7 +20,7 @@ else:
 
 
 @admin.register(Response)
-class ResponseAdmin(ResponseAdminBase):
+class ResponseAdmin(ChangePageContext, ResponseAdminBase):
     """Read-only: a stored response is exactly what the protocol returned.
     Deleting one erases it with its task and events (``records.erase``), as
     ``DELETE /responses/{id}`` does."""
@@ -89,18 +89,7 @@ class ResponseAdmin(ResponseAdminBase):
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Response]) -> None:
         records.erase(queryset)
 
-    def change_view(
-        self,
-        request: HttpRequest,
-        object_id: str,
-        form_url: str = "",
-        extra_context: dict[str, Any] | None = None,
-    ) -> HttpResponse:
-        response = self.get_object(request, unquote(object_id))
-        if response is not None:
-            extra_context = {
-                **(extra_context or {}),
-                "turns": transcript.conversation(response),
-                "timeline": transcript.timeline(response),
-            }
-        return super().change_view(request, object_id, form_url, extra_context)
+    def change_page_context(self, request: HttpRequest, obj: Response | None) -> dict[str, Any]:
+        if obj is None:
+            return {}
+        return {"turns": transcript.conversation(obj), "timeline": transcript.timeline(obj)}

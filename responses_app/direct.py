@@ -35,7 +35,8 @@ from tasks_app import services as task_services
 from tasks_app.event_log import StoredEvent
 from tasks_app.models import Task
 from tasks_app.stream_access import StreamAccess
-from tasks_app.streams import admit, follow_events
+from tasks_app.stream_admission import admit
+from tasks_app.streams import follow_events
 
 from . import records
 
@@ -79,7 +80,7 @@ def _nothing_held() -> None:
 
 def admit_replay(task: Task, token: ApiToken) -> Callable[[], None]:
     """The release of the place a replay holds under the stream caps while it
-    waits for the answer (``tasks_app.streams.admit``: ``503 overloaded``
+    waits for the answer (``tasks_app.stream_admission.admit``: ``503 overloaded``
     past them): it follows a generation its first request started and
     answers for, as a follower of a task does, and nothing else bounds how
     many wait at once. A first request's answer holds none: the model's queue

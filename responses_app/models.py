@@ -17,6 +17,8 @@ class Response(models.Model):
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="responses"
     )
     model = models.CharField(max_length=100, db_index=True)
+    # Its task's status as the protocol shows it, moved by the task's lifecycle
+    # (``tasks_app.transitions.RESPONSE_STATUS``); kept after its task is gone.
     status = models.CharField(max_length=20, choices=Status.choices, default=Status.IN_PROGRESS)
     input = models.JSONField(default=list)
     # Generation settings as validated: temperature, max_output_tokens,

@@ -1,13 +1,15 @@
-"""Every write of a ``Response``: create, finish, reopen, discard and erase.
+"""Every write of a ``Response`` but its status: create, finish, reopen,
+discard and erase.
 
-A response is built here and created with its task (``submit``), finished and reopened
-when the task lifecycle says so (``tasks_app.signals``, connected in
-``apps``), discarded under one rule (``discard_unneeded``), and erased on
-request or past the retention of stored responses (``erase``,
-``forget_expired``). An erasure, an owner's deletion included
-(``owner_deleted``), is announced to the model workers once it commits, so
-that they drop what their prefix caches hold of that owner
-(``lmsp_core.erasure_news``).
+A response is built here and created with its task (``submit``), given its
+outcome and reopened when the task lifecycle says so (``tasks_app.signals``,
+connected in ``apps``); its status follows its task's, moved by the task's
+lifecycle (``tasks_app.transitions``). It is discarded under one rule
+(``discard_unneeded``), and erased on request or past the retention of
+stored responses (``erase``, ``forget_expired``). An erasure, an owner's
+deletion included (``owner_deleted``), is announced to the model workers
+once it commits, so that they drop what their prefix caches hold of that
+owner (``lmsp_core.erasure_news``).
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from django.utils import timezone
 
 from lmsp_core.erasure_news import announce_erasure
 from lmsp_core.ids import new_id
-from lmsp_core.status import FINAL_STATUSES, Status
+from lmsp_core.status import FINAL_STATUSES
 from tasks_app import lifecycle
-from tasks_app.lifecycle import Outcome
+from tasks_app.endings import Outcome
 from tasks_app.models import Task, TaskKind
 
 from .models import Response
@@ -61,9 +63,9 @@ def new(
 
 
 def finish(sender: type, task: Task, outcome: Outcome, **_: object) -> None:
-    """``task_finished``: the response takes the task's outcome."""
+    """``task_finished``: the response takes the task's outcome (its status
+    is the lifecycle's to move: ``tasks_app.transitions.move_response``)."""
     Response.objects.filter(id=task.response_id).update(
-        status=outcome.status,
         output=outcome.output,
         output_tokens=outcome.output_tokens,
         cached_tokens=outcome.cached_tokens,
@@ -74,9 +76,9 @@ def finish(sender: type, task: Task, outcome: Outcome, **_: object) -> None:
 
 
 def reopen(sender: type, task: Task, **_: object) -> None:
-    """``task_reopened``: the response starts over, as in progress."""
+    """``task_reopened``: the response's outcome starts over (its status went
+    back to in progress with its task's: ``tasks_app.transitions``)."""
     Response.objects.filter(id=task.response_id).update(
-        status=Status.IN_PROGRESS,
         output=[],
         output_tokens=0,
         cached_tokens=0,

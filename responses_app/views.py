@@ -28,7 +28,8 @@ from tasks_app.event_log import StoredEvent
 from tasks_app.model_access import allowed_models
 from tasks_app.models import Task, TaskKind
 from tasks_app.stream_access import StreamAccess
-from tasks_app.streams import SSE_HEADERS, admitted, lmsp_frame
+from tasks_app.stream_admission import admitted
+from tasks_app.streams import SSE_HEADERS, lmsp_frame
 
 from . import direct, records
 from .selectors import erasable_responses, stored_response

@@ -21,6 +21,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 
 from accounts_app.model_choice import AllowedModelsField
+from lmsp_core.admin_pages import ChangePageContext
 from lmsp_core.errors import ProblemError
 
 from . import budgets, lifecycle, quotas, selectors
@@ -61,12 +62,13 @@ def _apply(
 
 
 @admin.register(Task)
-class TaskAdmin(TaskAdminBase):
+class TaskAdmin(ChangePageContext, TaskAdminBase):
     list_display = (
         "id",
         "owner",
         "model",
         "status",
+        "waiting_reason",
         "attempt",
         "created_at",
         "started_at",
@@ -90,6 +92,8 @@ class TaskAdmin(TaskAdminBase):
         "attempt",
         "worker",
         "cancel_requested",
+        "waiting_reason",
+        "waiting_since",
         "created_at",
         "enqueued_at",
         "started_at",
@@ -113,15 +117,8 @@ class TaskAdmin(TaskAdminBase):
     ) -> HttpResponse:
         raise PermissionDenied
 
-    def change_view(
-        self,
-        request: HttpRequest,
-        object_id: str,
-        form_url: str = "",
-        extra_context: dict[str, Any] | None = None,
-    ) -> HttpResponse:
-        extra_context = {**(extra_context or {}), "show_delete": False}
-        return super().change_view(request, object_id, form_url, extra_context)
+    def change_page_context(self, request: HttpRequest, obj: Task | None) -> dict[str, Any]:
+        return {"show_delete": False}
 
     # Changes go through the lifecycle only (actions), never through a form;
     # the change permission is what the actions require.

@@ -12,7 +12,7 @@ class TasksAppConfig(AppConfig):
         from django.db.models.signals import pre_delete
 
         from .lifecycle import owner_deleting
-        from .streams import raise_open_file_limit
+        from .stream_admission import raise_open_file_limit
 
         raise_open_file_limit()
         pre_delete.connect(owner_deleting, sender=get_user_model(), dispatch_uid="tasks.owner")

@@ -8,7 +8,7 @@ requests still queued or running that were accepted in the period: their
 input tokens (known when they are accepted) and, for output, their whole
 reservation, the task's ``cost`` (its ``max_output_tokens``), until they end
 and their real output replaces it in the same transaction
-(``tasks_app.lifecycle``). So in-flight generations can never together pass
+(``tasks_app.endings``). So in-flight generations can never together pass
 an output budget they were admitted under by more than one request's
 reservation, and what is left only grows when one ends short of its limit.
 

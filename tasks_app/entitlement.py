@@ -7,7 +7,7 @@ off a list must stop it as well as the streams it opened.
 The check is SQL (``REFUSAL_SQL``), so that the claim reads it in the same
 statement that picks the task (``fairness.fairest_sql``): a task that may
 not run is never claimed, and ends failed with the reason
-(``lifecycle``), unbilled. An operator's re-queue asks the same
+(``claims._end_refused``), unbilled. An operator's re-queue asks the same
 (``refusal_of``). A task stored without a token (before 0009) is judged on
 its owner and its model alone.
 """

@@ -2,7 +2,7 @@
 
 ``EventLog.append``, the submit that creates a task with its first event
 (``tasks_app.services.start_task``) and a worker's flush (one statement:
-``tasks_app.lifecycle.record_progress_many``) are the only writers. Both
+``tasks_app.checkpoints.record_progress_many``) are the only writers. Both
 hold the task's row lock, so ids are assigned without gaps or repeats, and
 the events, the task's ``last_event_id`` and whatever else changes on the
 task commit together. Readers are woken after the commit (``announce``).

@@ -18,7 +18,7 @@ virtual time, so another owner's one task is served next. Idle time is not
 saved up: an owner who comes back starts at the clock, not in the past.
 
 Celery stays the delivery path: a job's message is a slot for its model
-(``lifecycle.claim``). The choice is made here, in PostgreSQL, by one claim
+(``claims.claim``). The choice is made here, in PostgreSQL, by one claim
 at a time per model (the clock row is locked), skipping task rows other
 transactions hold (``FOR UPDATE SKIP LOCKED``), so it holds with any number
 of workers, machines and threads calling ``claim`` at once.

@@ -21,7 +21,7 @@ class Task(models.Model):
     Every response is generated through a task; ``kind`` says whether the
     client asked for one. ``attempt`` fences the worker that owns the job:
     each write of a worker names the attempt it was given, so a worker that
-    was presumed dead can no longer write (see ``tasks_app.lifecycle``).
+    was presumed dead can no longer write (see ``tasks_app.claims``).
     """
 
     id = models.CharField(primary_key=True, max_length=40, editable=False)
@@ -62,6 +62,10 @@ class Task(models.Model):
     worker = models.CharField(max_length=200, blank=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True, db_index=True)
     cancel_requested = models.BooleanField(default=False)
+    # Why it waits, and since when: its upstream server could not take it
+    # (``upstream_waits``); cleared once the server answers again.
+    waiting_reason = models.TextField(blank=True)
+    waiting_since = models.DateTimeField(null=True, blank=True)
 
     # The event log: ids 1..last_event_id were written, 1..pruned_through removed.
     last_event_id = models.PositiveIntegerField(default=0)

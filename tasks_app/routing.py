@@ -6,7 +6,7 @@ worker.
 It is a hint, never a requirement: the job goes to that worker's own queue
 (``ModelSpec.worker_queue``) only while the worker beats for the model and
 reported room for another generation (its heartbeat), and there its claim
-takes that task first (``lifecycle.claim``'s ``preferred``) if it is still
+takes that task first (``claims.claim``'s ``preferred``) if it is still
 queued. A job stuck in the queue of a worker that died meanwhile is found
 missing by the sweeper's broker check (which reads the models' queues only)
 and sent to the model's queue after ``LMSP_REQUEUE_AFTER_SECONDS``.

@@ -18,7 +18,7 @@ from lmsp_core.errors import ProblemError
 from lmsp_core.ids import new_id
 from lmsp_core.status import Status
 
-from . import budgets, fairness, lifecycle, quotas, routing
+from . import budgets, fairness, jobs, lifecycle, quotas, routing
 from .event_log import EventLog
 from .models import Event, Task, UsageRecord
 
@@ -196,7 +196,7 @@ def start_task(
     task.budget_remaining = budgets.header_value(owner_budgets, input_tokens, task.cost)
     # What its first follower in this process need not read back (``streams``).
     task.events_at_creation = announced
-    lifecycle.enqueue_on_commit(task, *routing.queue_for(spec, follows))
+    jobs.enqueue_on_commit(task, *routing.queue_for(spec, follows))
     return task
 
 

@@ -1,8 +1,10 @@
 """The task lifecycle as a state machine: every change of a task row, stated.
 
 A task's row is written by a handful of SQL statements spread over
-``services`` (the submit's one statement), ``lifecycle`` (claims, flushes,
-the end, cancels, sweeps, an operator's re-queue) and ``retention``. This
+``services`` (the submit's one statement), ``claims``, ``checkpoints``
+(flushes, hand-backs), ``jobs`` (back to the queue), ``endings``,
+``sweeper``, ``lifecycle`` (cancels, an operator's re-queue) and
+``retention``. This
 table says, for each change, from which statuses to which it goes, which
 columns it may set, and which code writes it (``writers``: the functions, or
 the SQL constants, whose statements touch the row). ``tests/test_transitions.py``
@@ -10,6 +12,15 @@ runs every transition against PostgreSQL with a trigger that records each
 change of the row, checks it against its line here, and checks that the
 code's writers of the task table are exactly the ones named here: a new
 path that changes a task needs a line.
+
+A task's response has a status of its own, which the protocol shows and
+which outlives the task (``responses_app.retention`` forgets the tasks of
+stored responses and keeps the responses, and a final status cannot be told
+from the response's output alone). It is not a second state machine: it is
+``RESPONSE_STATUS`` of its task's status, so each line also says how it moves
+the response (``Transition.response_moves``), and the lifecycle writes it
+through one function (``move_response``), in the task's transaction,
+whichever line moves it; the test records the response rows too.
 """
 
 from __future__ import annotations
@@ -18,18 +29,28 @@ from dataclasses import dataclass
 
 from lmsp_core.status import FINAL_STATUSES, Status
 
+from .models import Task
+
 QUEUED, IN_PROGRESS = Status.QUEUED.value, Status.IN_PROGRESS.value
 FINAL = frozenset(str(status) for status in FINAL_STATUSES)
-# What closing a task writes (``lifecycle._finalize``): its last events, the
+# What closing a task writes (``endings.finalize``): its last events, the
 # status, the error, the end time; the lease and the checkpoint go.
 CLOSED_FIELDS = frozenset(
     {"status", "error", "completed_at", "lease_expires_at", "checkpoint", "last_event_id"}
 )
 
-# What a flush writes (``lifecycle.FLUSH_SQL``), and what putting a running
-# task back in its queue does (``lifecycle._queue_again``).
+# What a flush writes (``checkpoints.FLUSH_SQL``), and what putting a running
+# task back in its queue does (``jobs.queue_again``).
 FLUSHED_FIELDS = frozenset({"last_event_id", "checkpoint", "lease_expires_at"})
 QUEUED_AGAIN_FIELDS = frozenset({"status", "worker", "lease_expires_at", "enqueued_at"})
+# Why a task waits for its upstream server, and since when (``upstream_waits``).
+WAITING_FIELDS = frozenset({"waiting_reason", "waiting_since"})
+
+# The status of a task's response, for each status of the task: in progress
+# while the task waits or runs, then the task's own final status.
+RESPONSE_STATUS: dict[str, str] = {QUEUED: IN_PROGRESS, IN_PROGRESS: IN_PROGRESS} | {
+    status: status for status in FINAL
+}
 
 
 @dataclass(frozen=True)
@@ -49,6 +70,19 @@ class Transition:
         is not among ``fields`` stays as it was)."""
         sets = changed <= self.fields or "*" in self.fields
         return before in self.sources and after in self.targets and sets
+
+    @property
+    def response_moves(self) -> frozenset[tuple[str | None, str]]:
+        """How it moves the status of the task's response, (before, after)
+        (None: the response is created): empty when it leaves it as it is."""
+        sets_status = {"status", "*"} & self.fields
+        moves = {
+            (None if before is None else RESPONSE_STATUS[before], RESPONSE_STATUS[after])
+            for before in self.sources
+            for after in self.targets
+            if sets_status or before == after
+        }
+        return frozenset((before, after) for before, after in moves if before != after)
 
 
 def _t(
@@ -70,46 +104,46 @@ TRANSITIONS: dict[str, Transition] = {
         ("services._submit_sql",),
         "a submit admitted by the owner's quotas and the model's queue",
     ),
-    "lifecycle.claim": _t(
+    "claims.claim": _t(
         {QUEUED},
         {IN_PROGRESS},
         {"status", "attempt", "worker", "started_at", "lease_expires_at"},
-        ("lifecycle._claim_sql", "lifecycle._claim_counting_running"),
+        ("claims._claim_sql", "claims._claim_counting_running"),
         "a worker takes the fairest queued task: the next attempt, a lease",
     ),
-    "lifecycle.claim (may no longer run)": _t(
+    "claims.claim (may no longer run)": _t(
         {QUEUED},
         {Status.FAILED.value},
         CLOSED_FIELDS,
-        ("lifecycle._finalize",),
+        ("endings.finalize",),
         "a queued task whose token, owner or model may no longer be used ends, never run",
     ),
-    "lifecycle.record_progress": _t(
+    "checkpoints.record_progress": _t(
         {IN_PROGRESS},
         {IN_PROGRESS},
         FLUSHED_FIELDS,
-        ("lifecycle.FLUSH_SQL",),
+        ("checkpoints.FLUSH_SQL",),
         "a flush of the current attempt: events, checkpoint, lease renewed",
     ),
-    "lifecycle.renew_lease": _t(
+    "claims.renew_lease": _t(
         {IN_PROGRESS},
         {IN_PROGRESS},
         {"lease_expires_at"},
-        ("lifecycle.renew_lease",),
+        ("claims.renew_lease",),
         "the current attempt keeps its lease",
     ),
-    "lifecycle.finish": _t(
+    "endings.finish": _t(
         {IN_PROGRESS},
         FINAL,
         CLOSED_FIELDS,
-        ("lifecycle._finalize",),
+        ("endings.finalize",),
         "the current attempt writes its last events and the outcome",
     ),
     "lifecycle.request_cancel (queued)": _t(
         {QUEUED},
         {Status.CANCELLED.value},
         CLOSED_FIELDS,
-        ("lifecycle._finalize",),
+        ("endings.finalize",),
         "a queued task ends at once",
     ),
     "lifecycle.request_cancel (running)": _t(
@@ -119,47 +153,69 @@ TRANSITIONS: dict[str, Transition] = {
         ("lifecycle.request_cancel",),
         "a running task is asked to stop; its worker ends it",
     ),
-    "lifecycle.hand_back": _t(
+    "checkpoints.hand_back": _t(
         {IN_PROGRESS},
         {IN_PROGRESS, QUEUED},  # its last flush, then the queue, in one transaction
         {*FLUSHED_FIELDS, *QUEUED_AGAIN_FIELDS, "handed_back"},
-        ("lifecycle.FLUSH_SQL", "lifecycle._queue_again"),
+        ("checkpoints.FLUSH_SQL", "jobs.queue_again"),
         "a worker gives its running task back (its engine needed the memory, or it drains): "
         "its last flush, then the queue at once, its fair key kept, no attempt counted lost",
     ),
-    "lifecycle.hand_back (cancelled meanwhile)": _t(
+    "checkpoints.hand_back (cancelled meanwhile)": _t(
         {IN_PROGRESS},
         {IN_PROGRESS, Status.CANCELLED.value},  # its last flush, then the end
         FLUSHED_FIELDS | CLOSED_FIELDS,
-        ("lifecycle.FLUSH_SQL", "lifecycle._finalize"),
+        ("checkpoints.FLUSH_SQL", "endings.finalize"),
         "a task handed back after a cancel was asked ends cancelled instead",
     ),
-    "lifecycle.sweep (lease expired, re-queued)": _t(
+    "checkpoints.hand_back (upstream unavailable)": _t(
+        {IN_PROGRESS},
+        {IN_PROGRESS, QUEUED},  # its last flush, then the queue, in one transaction
+        {*FLUSHED_FIELDS, *QUEUED_AGAIN_FIELDS, "handed_back", *WAITING_FIELDS},
+        ("checkpoints.FLUSH_SQL", "jobs.queue_again"),
+        "its upstream server could not take it: it waits queued with the reason, "
+        "its job sent again after a delay",
+    ),
+    "checkpoints.hand_back (waited too long)": _t(
+        {IN_PROGRESS},
+        {IN_PROGRESS, Status.FAILED.value},  # its last flush, then the end
+        FLUSHED_FIELDS | CLOSED_FIELDS,
+        ("checkpoints.FLUSH_SQL", "endings.finalize"),
+        "a task that waited its model's limit for its upstream server fails, saying why",
+    ),
+    "upstream_waits.recovered": _t(
+        {IN_PROGRESS},
+        {IN_PROGRESS},
+        WAITING_FIELDS,
+        ("upstream_waits.recovered",),
+        "the upstream server answered a task that waited for it: the reason goes",
+    ),
+    "sweeper.sweep (lease expired, re-queued)": _t(
         {IN_PROGRESS},
         {QUEUED},
         QUEUED_AGAIN_FIELDS,
-        ("lifecycle._queue_again",),
+        ("jobs.queue_again",),
         "a lost worker's task goes back to its queue, keeping its attempt count and fair key",
     ),
-    "lifecycle.sweep (lease expired, ended)": _t(
+    "sweeper.sweep (lease expired, ended)": _t(
         {IN_PROGRESS},
         {Status.CANCELLED.value, Status.FAILED.value},
         CLOSED_FIELDS,
-        ("lifecycle._finalize",),
+        ("endings.finalize",),
         "a lost worker's task that was cancelled, past its attempts, or whose model is gone",
     ),
-    "lifecycle.sweep (message lost, re-sent)": _t(
+    "sweeper.sweep (message lost, re-sent)": _t(
         {QUEUED},
         {QUEUED},
         {"enqueued_at"},
-        ("lifecycle._resend", "lifecycle.sweep"),
+        ("sweeper._resend", "sweeper.sweep"),
         "a queued task's job is sent again, or looked at again a period later",
     ),
-    "lifecycle.sweep (queued, model gone)": _t(
+    "sweeper.sweep (queued, model gone)": _t(
         {QUEUED},
         {Status.FAILED.value},
         CLOSED_FIELDS,
-        ("lifecycle._finalize",),
+        ("endings.finalize",),
         "a queued task whose model was removed from the registry",
     ),
     "lifecycle.requeue_failed": _t(
@@ -176,6 +232,7 @@ TRANSITIONS: dict[str, Transition] = {
             "checkpoint",
             "enqueued_at",
             "last_event_id",
+            *WAITING_FIELDS,
         },
         ("lifecycle.requeue_failed",),
         "an operator runs a failed task again (a new run, the attempt count goes on)",
@@ -188,6 +245,19 @@ TRANSITIONS: dict[str, Transition] = {
         "an ended task's events are removed",
     ),
 }
+
+
+def move_response(task: Task) -> None:
+    """Give the response of ``task`` (locked, its status just written) the
+    status its task's status stands for (``RESPONSE_STATUS``), in the task's
+    transaction: the one write of a response's status after its creation (a
+    new response is in progress). The response's model is reached through
+    ``Task.response``: its app is above this one and is not imported."""
+    response_model = Task.response.field.related_model
+    assert not isinstance(response_model, str)  # resolved once the apps are loaded
+    response_model._default_manager.filter(pk=task.response_id).update(
+        status=RESPONSE_STATUS[task.status]
+    )
 
 
 def writers() -> set[str]:

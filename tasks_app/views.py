@@ -33,7 +33,8 @@ from .model_access import allowed_models
 from .models import Task
 from .serializers import TaskRequestSerializer
 from .stream_access import StreamAccess
-from .streams import SSE_HEADERS, admit, admitted_stream
+from .stream_admission import admit
+from .streams import SSE_HEADERS, admitted_stream
 
 
 def _task_object(task: Task) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from lmsp_core.ids import new_id
 from lmsp_core.redis_client import redis_client
 from lmsp_core.status import Status
 from responses_app.models import Response
-from tasks_app import heartbeat, lifecycle
+from tasks_app import checkpoints, claims, heartbeat, jobs
 from tasks_app.event_log import EventLog
 from tasks_app.models import Event, Task, UsageRecord
 
@@ -323,6 +323,16 @@ def test_task_list_and_page_show_the_lifecycle(admin_client, conversation):
     assert "w@host:1" in html and 'name="_save"' not in html
 
 
+def test_task_list_and_page_show_why_a_task_waits_for_its_upstream(admin_client, conversation):
+    task = conversation[0].task
+    reason = "the server is unreachable (ConnectError)"
+    Task.objects.filter(pk=task.pk).update(waiting_reason=reason, waiting_since=timezone.now())
+    html = admin_client.get("/admin/tasks_app/task/").content.decode()
+    assert "column-waiting_reason" in html and reason in html
+    page = admin_client.get(change_url(task)).content.decode()
+    assert reason in page and "Waiting since" in page
+
+
 def test_cancel_action_ends_a_queued_task(admin_client, alice):
     queued = make_response(
         alice, [message("user", "wait")], status="in_progress", task_status="queued"
@@ -356,7 +366,7 @@ def test_requeue_action_puts_a_failed_task_back_in_the_queue(
     admin_client, alice, django_capture_on_commit_callbacks, monkeypatch
 ):
     sent: list[tuple[str, str, str]] = []
-    monkeypatch.setattr(lifecycle, "send_job", lambda *job: sent.append(job))
+    monkeypatch.setattr(jobs, "send_job", lambda *job: sent.append(job))
     failed = make_response(alice, [message("user", "boom")], status="failed", attempt=3).task
     Task.objects.filter(pk=failed.pk).update(worker="dead@host", checkpoint={"token_ids": [1]})
     done = make_response(alice, [message("user", "fine")]).task
@@ -372,7 +382,7 @@ def test_requeue_action_puts_a_failed_task_back_in_the_queue(
     assert f"Task {done.id} is completed; only a failed task can be re-queued." in html
     # once the reset is committed
     # to the model's queue, for any worker (not one worker's own: preferred False)
-    assert sent == [(failed.id, "smollm2:135m", "lmsp.model.smollm2-135m", False)]
+    assert sent == [(failed.id, "smollm2:135m", "lmsp.model.smollm2-135m", False, 0.0)]  # no delay
     failed.refresh_from_db()
     assert failed.status == Status.QUEUED
     assert failed.attempt == 3  # the fence: workers of attempts 1-3 stay locked out
@@ -384,8 +394,8 @@ def test_requeue_action_puts_a_failed_task_back_in_the_queue(
     response.refresh_from_db()
     assert response.status == "in_progress" and response.error is None and response.output == []
     # a worker of the old attempt cannot write any more; the next claim takes attempt 4
-    assert lifecycle.claim(failed.id, "new@host").attempt == 4
-    assert not lifecycle.record_progress(failed.id, 3, [], [], {}).owned
+    assert claims.claim(failed.id, "new@host").attempt == 4
+    assert not checkpoints.record_progress(failed.id, 3, [], [], {}).owned
 
 
 def test_tasks_cannot_be_added_edited_or_deleted(admin_client, conversation):

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from django.contrib.auth import get_user_model
 
+from engine.client import engines
 from generation.registry import available_models, declared_models
 from lmsp_core import protocol
 from responses_app.serializers import validate_response_request
 from responses_app.submit import prepare_generation, start_generation
 from tasks_app.models import Task, TaskKind, UsageRecord
 from workers import erasure
-from workers.batching import engines
 from workers.runner import run_task
 
 from .conftest import request_body

@@ -4,13 +4,15 @@ decoder and the parser, whatever way the bytes are cut."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 from httpx_sse import EventSource
 
 import lmsp_client
 from lmsp_client import events as ev
-from lmsp_client._common import GapError, Resume, real_events
+from lmsp_client._common import GapError, Resume, blocking, real_events, unblocked
 from lmsp_client.cli import build_parser, main
 from lmsp_client.errors import EventHistoryExpiredError, ProblemError, problem_error
 from lmsp_core import protocol
@@ -75,7 +77,7 @@ def decode(raw: bytes, chunk: int) -> list[lmsp_client.Event]:
     response = httpx.Response(
         200, headers={"content-type": "text/event-stream"}, content=iter(chunks)
     )
-    return list(real_events(EventSource(response).iter_sse()))
+    return list(blocking(real_events(unblocked(EventSource(response).iter_sse()))))
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 1 << 20])
@@ -184,3 +186,29 @@ def test_client_needs_a_token(monkeypatch):
     monkeypatch.setenv("LMSP_BASE_URL", "http://example.invalid:1/")
     with lmsp_client.Client() as client:
         assert client.base_url == "http://example.invalid:1"
+
+
+def test_the_sync_client_runs_the_stream_loop_without_an_event_loop():
+    """``blocking`` yields what an async generator that never suspends yields,
+    closes it when its reader stops early, and refuses one that suspends."""
+    closed = []
+
+    async def counting():
+        try:
+            for n in range(3):
+                yield n
+        finally:
+            closed.append(True)
+
+    assert list(blocking(counting())) == [0, 1, 2] and closed == [True]
+    first = blocking(counting())
+    assert next(first) == 0
+    first.close()
+    assert closed == [True, True]
+
+    async def waiting():
+        await asyncio.sleep(0)
+        yield 1
+
+    with pytest.raises(RuntimeError, match="asynchronous"):
+        list(blocking(waiting()))

@@ -9,10 +9,13 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
+from engine.interface import SamplingParams
 from generation import prompts, schemas
 from generation.params import GenerationParams
 from generation.tokens import PIECE_CHARS, prompt_tokenizer
-from workers import constraints, engine
+from workers import constraints
+
+from . import reference
 
 pytestmark = pytest.mark.model  # the real model, loaded in this process
 
@@ -86,10 +89,10 @@ def generate(
         out.append(token_id)
         return False
 
-    engine.generate(
+    reference.generate(
         lm,
         prompt + out,
-        engine.Sampling(max_new_tokens=limit, temperature=0.7),
+        SamplingParams(max_tokens=limit, temperature=0.7),
         on_token,
         constraints.logits_processors(lm, params, out),
     )

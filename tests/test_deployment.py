@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from generation.registry import parse_registry
 from ops_app.management.commands.lmsp_health import worker_alive
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,6 +84,26 @@ def test_gpu_worker_reserves_a_gpu_and_builds_the_cuda_torch():
     )
     install = (ROOT / "scripts" / "install").read_text()
     assert '"torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}' in install
+
+
+def test_the_upstream_override_gives_every_lmsp_service_its_models():
+    """compose.upstream.yaml (docs/upstream.md) over compose.yaml: a vLLM
+    service with a health check, and the models file and tokenizer folder in
+    every service that reads the registry; the worker alone gets the key."""
+    override = yaml.safe_load((ROOT / "compose.upstream.yaml").read_text())["services"]
+    assert set(override) - {"vllm"} <= set(compose()["services"])
+    for name in ("web", "worker", "ops"):
+        assert override[name]["environment"]["LMSP_MODELS_FILE"] == "/app/models.upstream.toml"
+        assert "./models.upstream.toml:/app/models.upstream.toml:ro" in override[name]["volumes"]
+    [spec] = parse_registry((ROOT / "models.upstream.toml").read_text()).values()
+    assert spec.upstream is not None and spec.upstream.base_url == "http://vllm:8000/v1"
+    assert spec.upstream.api_key_env in override["worker"]["environment"]
+    assert spec.upstream.api_key_env not in override["web"]["environment"]
+    vllm = override["vllm"]
+    served = vllm["command"][vllm["command"].index("--served-model-name") + 1]
+    assert served == spec.upstream.model and "healthcheck" in vllm
+    folder = f"{Path(spec.path).parent}"
+    assert any(volume.split(":")[1].startswith(folder) for volume in vllm["volumes"])
 
 
 def test_every_long_running_service_has_a_health_check():

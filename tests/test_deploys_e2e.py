@@ -8,6 +8,7 @@ import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -17,7 +18,7 @@ from tasks_app.models import Task
 
 from .conftest import deltas_text, user_message
 from .test_deployment import manage
-from .test_engine_e2e import answer_alone
+from .test_engine_e2e import request_of, text_alone
 from .test_streams_e2e import Follower, _pg_start, _pg_stop
 from .test_tasks_e2e import assert_one_contiguous_stream, create_task, read_events, wait_for
 
@@ -44,9 +45,17 @@ STORIES = [
 def test_a_drained_worker_hands_eight_generations_to_the_worker_started_beside_it(
     api, stack, token, restart_after, lm
 ):
+    # Long enough that none ends before the drain hands them over, which may
+    # wait LMSP_DRAIN_WAIT_SECONDS (10 s) for the successor, on a fast CPU
+    # too: at 200 tokens, eight ended on the drained worker (AMD EPYC,
+    # AVX-512), never handed over.
     tasks = [
-        create_task(api, input=story, max_output_tokens=200, temperature=0) for story in STORIES
+        create_task(api, input=story, max_output_tokens=300, temperature=0) for story in STORIES
     ]
+    # Each prompt's answer alone, computed meanwhile on a thread of this
+    # process, which waits anyway (it only slows the generations down).
+    pool = ThreadPoolExecutor(1)
+    alone = [pool.submit(text_alone, lm, *request_of(lm, task["response_id"])) for task in tasks]
     followers = [Follower(stack, token, f"/lmsp/v1/tasks/{task['id']}/events") for task in tasks]
     for follower in followers:
         follower.wait_for(6, timeout=120)  # all 8 are generating
@@ -60,17 +69,18 @@ def test_a_drained_worker_hands_eight_generations_to_the_worker_started_beside_i
         old.wait(30)
         exited = time.monotonic() - signalled
         starting.join(120)
-        for task, follower in zip(tasks, followers, strict=True):
+        for task, follower, answer in zip(tasks, followers, alone, strict=True):
             done = wait_for(api, task["id"], timeout=300)
             assert done["status"] in ("completed", "incomplete")
             events = follower.finish()
             assert events == read_events(api, task["id"])  # every event once, in order
             assert_one_contiguous_stream(events, done)
             # its own prompt's answer, as if it had never moved
-            assert deltas_text(events) == answer_alone(lm, task["response_id"])
+            assert deltas_text(events) == answer.result()
         workers = {Task.objects.get(id=task["id"]).worker for task in tasks}
     finally:
         successor.stop()
+        pool.shutdown(cancel_futures=True)
     assert exited <= 15, f"the drained worker exited after {exited:.1f} s"
     # Each handed on by the drained worker, none waiting for a lease to
     # expire (the sweeper's way, which a follower sees as a pause): two

@@ -25,6 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 MANUAL = {
+    "upstream.md": [
+        "vllm serve /srv/models/smollm2-135m --served-model-name smollm2:135m \\",
+        "export LMSP_VLLM_API_KEY=... LMSP_WORKER_MODELS=smollm2:135m-vllm",
+        "docker compose -f compose.yaml -f compose.upstream.yaml up",
+    ],
     "README.md": [
         "scripts/serve   # install into .venv, then run the whole service on http://127.0.0.1:8000",
         "export LMSP_BASE_URL=http://127.0.0.1:8000 LMSP_TOKEN=...   # as above",

@@ -33,7 +33,7 @@ from lmsp_core.status import Status
 from responses_app.models import Response
 from responses_app.serializers import validate_response_request
 from responses_app.submit import submit
-from tasks_app import lifecycle
+from tasks_app import claims, sweeper
 from tasks_app.event_reader import TOKEN_FIELDS
 from tasks_app.models import IdempotencyKey, Task, TaskKind, UsageRecord
 from workers.runner import run_task
@@ -65,14 +65,14 @@ def test_the_sweeper_resends_only_messages_gone_from_the_broker(broker):
     task = new_task()
     assert client.llen(queue) == 1  # sent on commit
     age(task)
-    report = lifecycle.sweep()
+    report = sweeper.sweep()
     assert report.resent == [] and client.llen(queue) == 1  # waiting, not lost
     client.delete(queue)  # Redis lost it
     age(task)
-    assert lifecycle.sweep().resent == [task.id]
+    assert sweeper.sweep().resent == [task.id]
     assert client.llen(queue) == 1
     assert Task.objects.get(id=task.id).enqueued_at > timezone.now() - timedelta(minutes=1)
-    assert lifecycle.sweep().resent == []  # not again before it is stale once more
+    assert sweeper.sweep().resent == []  # not again before it is stale once more
 
 
 # A worker as kombu runs one: it takes a message without acknowledging it
@@ -104,10 +104,10 @@ def test_a_message_taken_by_a_worker_killed_before_its_claim_is_sent_again(broke
     try:
         assert client.llen(queue) == 0 and client.hexists("unacked", tag)
         age(task)
-        assert lifecycle.sweep().resent == []  # just taken: a live worker would be claiming it
+        assert sweeper.sweep().resent == []  # just taken: a live worker would be claiming it
         time.sleep(2.5)
         age(task)
-        assert lifecycle.sweep().resent == [task.id]
+        assert sweeper.sweep().resent == [task.id]
         assert client.llen(queue) == 1
         assert run_task(task.id, "w1") in ("completed", "incomplete")
     finally:
@@ -121,13 +121,13 @@ def test_a_removed_model_fails_its_tasks_and_the_sweep_goes_on(broker):
     first, other, second = new_task(), new_task(), new_task()
     Task.objects.filter(id__in=[first.id, second.id]).update(model="removed:1b")
     # the claim takes the fairest of the model's tasks, whichever its message names
-    running = lifecycle.claim(second.id, "w1")
+    running = claims.claim(second.id, "w1")
     gone = second if running.id == first.id else first
     Task.objects.filter(id=running.id).update(lease_expires_at=timezone.now() - timedelta(1))
     for task in (gone, other):
         age(task)
     client.delete(queue)  # every message lost
-    report = lifecycle.sweep()
+    report = sweeper.sweep()
     assert sorted(report.failed) == sorted([gone.id, running.id])
     assert report.resent == [other.id] and report.errors == []
     for task in (gone, running):

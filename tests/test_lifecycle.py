@@ -21,7 +21,7 @@ from lmsp_core.status import Status
 from responses_app.models import Response
 from responses_app.serializers import validate_response_request
 from responses_app.submit import prepare_generation, start_generation
-from tasks_app import lifecycle
+from tasks_app import checkpoints, claims, endings, lifecycle, sweeper
 from tasks_app.models import Event, Task, TaskKind
 from tasks_app.notify import CANCEL_CHANNEL
 from workers import runner as runner_module
@@ -69,15 +69,15 @@ def test_run_task_writes_one_contiguous_log_and_the_result():
 
 def test_a_worker_whose_attempt_was_superseded_cannot_write():
     task = new_task()
-    claimed = lifecycle.claim(task.id, "w1")
+    claimed = claims.claim(task.id, "w1")
     Task.objects.filter(id=task.id).update(attempt=claimed.attempt + 1)  # handed on
     delta = ("response.output_text.delta", {"delta": "stale"})
-    progress = lifecycle.record_progress(task.id, claimed.attempt, [delta], [], {})
+    progress = checkpoints.record_progress(task.id, claimed.attempt, [delta], [], {})
     assert progress.owned is False
-    assert lifecycle.renew_lease(task.id, claimed.attempt) is False
-    assert lifecycle.renew_lease(task.id, claimed.attempt + 1) is True
-    outcome = lifecycle.Outcome(status=Status.COMPLETED)
-    assert lifecycle.finish(task.id, claimed.attempt, [delta], outcome) is False
+    assert claims.renew_lease(task.id, claimed.attempt) is False
+    assert claims.renew_lease(task.id, claimed.attempt + 1) is True
+    outcome = endings.Outcome(status=Status.COMPLETED)
+    assert endings.finish(task.id, claimed.attempt, [delta], outcome) is False
     assert [name for _, name, _ in events_of(task)] == ["response.created"]
     assert Task.objects.get(id=task.id).status == Status.IN_PROGRESS
 
@@ -134,12 +134,12 @@ def test_flushes_of_several_runs_are_written_in_one_go_each_fenced_by_its_attemp
     from tasks_app.models import TokenChunk
 
     tasks = [new_task(max_output_tokens=8) for _ in range(3)]
-    claimed = [lifecycle.claim(task.id, f"w{i}") for i, task in enumerate(tasks)]
+    claimed = [claims.claim(task.id, f"w{i}") for i, task in enumerate(tasks)]
     assert {c.id for c in claimed} == {t.id for t in tasks}
     handed_on = claimed[1]
     Task.objects.filter(id=handed_on.id).update(attempt=handed_on.attempt + 1)
     flushes = [
-        lifecycle.Flush(
+        checkpoints.Flush(
             c.id,
             c.attempt,
             [("response.output_text.delta", {"delta": f"row {i}"})],
@@ -148,7 +148,7 @@ def test_flushes_of_several_runs_are_written_in_one_go_each_fenced_by_its_attemp
         )
         for i, c in enumerate(claimed)
     ]
-    results = lifecycle.record_progress_many(flushes)
+    results = checkpoints.record_progress_many(flushes)
     assert [r.owned for r in results] == [True, False, True]
     for i, c in enumerate(claimed):
         task = Task.objects.get(id=c.id)
@@ -175,7 +175,7 @@ def test_flush_group_writes_concurrent_flushes_and_a_bad_one_fails_alone():
 
     group = FlushGroup()
     tasks = [new_task(max_output_tokens=8) for _ in range(6)]
-    claimed = [lifecycle.claim(task.id, f"w{i}") for i, task in enumerate(tasks)]
+    claimed = [claims.claim(task.id, f"w{i}") for i, task in enumerate(tasks)]
 
     def run(i: int) -> str:
         c = claimed[i]
@@ -184,7 +184,7 @@ def test_flush_group_writes_concurrent_flushes_and_a_bad_one_fails_alone():
                 # row 0's third flush holds a NUL in an event name: PostgreSQL refuses it
                 name = "bad\x00name" if (i, step) == (0, 2) else "response.output_text.delta"
                 progress = group.write(
-                    lifecycle.Flush(
+                    checkpoints.Flush(
                         c.id,
                         c.attempt,
                         [(name, {"delta": str(step)})],
@@ -210,14 +210,32 @@ def test_flush_group_writes_concurrent_flushes_and_a_bad_one_fails_alone():
         assert deltas == (["0", "1"] if i == 0 else ["0", "1", "2", "3", "4"])
 
 
+def test_an_empty_flush_does_not_hold_back_the_decoding_runs_flushes():
+    """A run waiting for its first token flushes now and then with nothing to
+    write (to notice a cancel); the worker's flush interval, which the
+    decoding runs wait for, starts again only at a write that carries events
+    or tokens, or an idle run beside them would keep their text back."""
+    from workers.flushing import FlushGroup
+
+    group = FlushGroup()
+    waiting, decoding = (claims.claim(new_task().id, f"w{i}") for i in range(2))
+    assert group.due(60)
+    assert group.write(checkpoints.Flush(waiting.id, waiting.attempt, [], [], {"tokens": 0})).owned
+    assert group.due(60)
+    delta = [("response.output_text.delta", {"delta": "a"})]
+    flush = checkpoints.Flush(decoding.id, decoding.attempt, delta, [5], {"tokens": 1})
+    assert group.write(flush).owned
+    assert not group.due(60)
+
+
 def test_expired_leases_are_requeued_until_attempts_run_out(settings):
     settings.LMSP_MAX_ATTEMPTS = 2
     task = new_task()
     for attempt in (1, 2):
-        claimed = lifecycle.claim(task.id, f"w{attempt}")
+        claimed = claims.claim(task.id, f"w{attempt}")
         assert claimed.attempt == attempt
         Task.objects.filter(id=task.id).update(lease_expires_at=timezone.now() - timedelta(1))
-        report = lifecycle.sweep()
+        report = sweeper.sweep()
         if attempt == 1:
             assert report.requeued == [task.id]
             assert Task.objects.get(id=task.id).status == Status.QUEUED
@@ -272,7 +290,7 @@ def test_concurrent_claims_each_take_a_different_task_in_fair_order():
 
     def claim(i: int) -> str | None:
         try:
-            claimed = lifecycle.claim(tasks[-1].id, f"w{i}")
+            claimed = claims.claim(tasks[-1].id, f"w{i}")
             return claimed.id if claimed else None
         finally:
             connection.close()
@@ -292,11 +310,11 @@ def test_a_message_whose_task_is_gone_claims_for_its_model(settings, running_lim
     queued), and it then claims the model's next task. Both claim paths."""
     settings.LMSP_QUOTA_MAX_RUNNING = running_limit
     first, second = new_task(), new_task()
-    assert lifecycle.claim(second.id, "w1", first.model).id == first.id
+    assert claims.claim(second.id, "w1", first.model).id == first.id
     claimed = Task.objects.get(id=first.id)
-    assert lifecycle.finish(first.id, claimed.attempt, [], lifecycle.Outcome(Status.COMPLETED))
+    assert endings.finish(first.id, claimed.attempt, [], endings.Outcome(Status.COMPLETED))
     claimed.response.delete()  # discarded, with its task
-    assert lifecycle.claim(first.id, "w2", first.model).id == second.id
+    assert claims.claim(first.id, "w2", first.model).id == second.id
 
 
 def test_an_owner_at_its_running_quota_waits_until_a_generation_ends(settings):
@@ -307,13 +325,13 @@ def test_an_owner_at_its_running_quota_waits_until_a_generation_ends(settings):
     bob, _ = get_user_model().objects.get_or_create(username="bob")
     prepared = prepare_generation(bob, validate_response_request(request_body()))
     newcomer = start_generation(bob, prepared, TaskKind.TASK)
-    assert lifecycle.claim(second.id, "w1").id == first.id  # whatever the message names
-    assert lifecycle.claim(first.id, "w2").id == newcomer.id  # bob before alice's second
-    assert lifecycle.claim(first.id, "w3") is None  # alice has one running: her quota
+    assert claims.claim(second.id, "w1").id == first.id  # whatever the message names
+    assert claims.claim(first.id, "w2").id == newcomer.id  # bob before alice's second
+    assert claims.claim(first.id, "w3") is None  # alice has one running: her quota
     claimed = Task.objects.get(id=first.id)
-    outcome = lifecycle.Outcome(status=Status.INCOMPLETE)
-    assert lifecycle.finish(first.id, claimed.attempt, [], outcome)
-    assert lifecycle.claim(first.id, "w4").id == second.id
+    outcome = endings.Outcome(status=Status.INCOMPLETE)
+    assert endings.finish(first.id, claimed.attempt, [], outcome)
+    assert claims.claim(first.id, "w4").id == second.id
 
 
 @pytest.mark.parametrize("running_limit", [0, 1])
@@ -323,11 +341,11 @@ def test_a_job_sent_to_a_worker_for_its_task_claims_that_task_first(settings, ru
     kind, its task gone, is a plain slot. Both claim paths."""
     settings.LMSP_QUOTA_MAX_RUNNING = running_limit
     fairer, follow_up = new_task(), new_task()
-    claimed = lifecycle.claim(follow_up.id, "w1", follow_up.model, preferred=follow_up.id)
+    claimed = claims.claim(follow_up.id, "w1", follow_up.model, preferred=follow_up.id)
     assert claimed.id == follow_up.id
-    outcome = lifecycle.Outcome(status=Status.INCOMPLETE)
-    assert lifecycle.finish(follow_up.id, claimed.attempt, [], outcome)
-    again = lifecycle.claim(follow_up.id, "w2", follow_up.model, preferred=follow_up.id)
+    outcome = endings.Outcome(status=Status.INCOMPLETE)
+    assert endings.finish(follow_up.id, claimed.attempt, [], outcome)
+    again = claims.claim(follow_up.id, "w2", follow_up.model, preferred=follow_up.id)
     assert again.id == fairer.id
 
 
@@ -338,28 +356,28 @@ def test_a_handed_back_task_is_queued_again_first_and_keeps_its_attempts(setting
     attempt: the sweeper's count of attempts does not grow with it."""
     settings.LMSP_MAX_ATTEMPTS = 2
     task, later = new_task(), new_task()
-    claimed = lifecycle.claim(task.id, "w1")
+    claimed = claims.claim(task.id, "w1")
     assert claimed.id == task.id
     checkpoint = checkpoint_of(task, tokens=2)
-    flush = lifecycle.Flush(task.id, claimed.attempt, [], [5, 6], checkpoint)
-    assert lifecycle.hand_back(flush)
+    flush = checkpoints.Flush(task.id, claimed.attempt, [], [5, 6], checkpoint)
+    assert checkpoints.hand_back(flush)
     task.refresh_from_db()
     assert (task.status, task.worker, task.handed_back) == (Status.QUEUED, "", 1)
-    assert task.checkpoint == checkpoint and lifecycle.restore(task).token_ids == [5, 6]
-    assert not lifecycle.hand_back(flush)  # that attempt owns nothing any more
-    again = lifecycle.claim(later.id, "w2")
+    assert task.checkpoint == checkpoint and endings.restore(task).token_ids == [5, 6]
+    assert not checkpoints.hand_back(flush)  # that attempt owns nothing any more
+    again = claims.claim(later.id, "w2")
     assert again.id == task.id and again.attempt == 2
     Task.objects.filter(id=task.id).update(lease_expires_at=timezone.now() - timedelta(1))
     # one attempt lost of two claimed: not yet LMSP_MAX_ATTEMPTS lost
-    assert lifecycle.sweep().requeued == [task.id]
+    assert sweeper.sweep().requeued == [task.id]
 
 
 def test_a_cancel_asked_while_a_task_was_running_ends_it_when_handed_back():
     task = new_task()
-    claimed = lifecycle.claim(task.id, "w1")
+    claimed = claims.claim(task.id, "w1")
     lifecycle.request_cancel(task.id)
-    flush = lifecycle.Flush(task.id, claimed.attempt, [], [], checkpoint_of(task, tokens=0))
-    assert lifecycle.hand_back(flush)
+    flush = checkpoints.Flush(task.id, claimed.attempt, [], [], checkpoint_of(task, tokens=0))
+    assert checkpoints.hand_back(flush)
     task.refresh_from_db()
     assert task.status == Status.CANCELLED
     assert events_of(task)[-1][1] == "response.cancelled"

@@ -108,3 +108,51 @@ def test_a_gpu_budget_is_what_its_memory_fraction_leaves_after_weights_and_a_ste
     assert budget == int((usable - step) // (2 * 30 * 3 * 64 * 2))
     # a device already full leaves nothing, never a negative budget
     assert derived_budget(spec, config, 1000, 2, 1 * gib, 80 * gib, 512) == 0
+
+
+UPSTREAM_ENTRY = """
+[[models]]
+id = "m:vllm"
+source = "folder"
+path = "/srv/m"
+context_window = 4096
+max_output_tokens = 512
+capabilities = ["tools"]
+[models.upstream]
+base_url = "http://gpu:8000/v1/"
+model = "m"
+"""
+
+
+def test_an_upstream_entry_names_its_server_and_keeps_no_key():
+    [spec] = parse_registry(UPSTREAM_ENTRY + 'api_key_env = "M_KEY"\n').values()
+    assert spec.upstream is not None
+    assert (spec.upstream.base_url, spec.upstream.model, spec.upstream.engine) == (
+        "http://gpu:8000/v1",
+        "m",
+        "vllm",
+    )
+    assert spec.upstream.api_key_env == "M_KEY"  # the variable's name, never its value
+    # An unavailable server is waited for, by default ten minutes, tried again every 10 s at most.
+    assert (spec.upstream.unavailable_timeout_seconds, spec.upstream.retry_seconds) == (600, 10)
+
+
+def test_an_upstream_entry_sets_how_long_its_tasks_wait_for_it():
+    extra = "unavailable_timeout_seconds = 90\nretry_seconds = 2.5\n"
+    [spec] = parse_registry(UPSTREAM_ENTRY + extra).values()
+    assert spec.upstream is not None
+    assert (spec.upstream.unavailable_timeout_seconds, spec.upstream.retry_seconds) == (90, 2.5)
+
+
+@pytest.mark.parametrize(
+    ("extra", "refused"),
+    [
+        ('engine = "tgi"\n', "upstream engine 'tgi'"),
+        ('api_key = "secret"\n', "unknown upstream settings ['api_key']"),
+        ("read_timeout_seconds = 0\n", "timeouts must be positive"),
+        ("unavailable_timeout_seconds = -1\n", "timeouts must be positive"),
+    ],
+)
+def test_a_bad_upstream_entry_is_refused(extra: str, refused: str):
+    with pytest.raises(ValueError, match=refused.replace("[", r"\[").replace("]", r"\]")):
+        parse_registry(UPSTREAM_ENTRY + extra)

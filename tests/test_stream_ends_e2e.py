@@ -26,7 +26,7 @@ from responses_app.records import UNDELIVERED_GRACE
 from responses_app.retention import prune_history
 from responses_app.serializers import validate_response_request
 from responses_app.submit import submit
-from tasks_app import event_reader, lifecycle
+from tasks_app import claims, event_reader, lifecycle, sweeper
 from tasks_app.models import Task, TaskKind
 from tasks_app.retention import prune_events
 from tasks_app.stream_access import StreamAccess
@@ -133,9 +133,9 @@ def test_a_follower_of_a_requeued_task_gets_the_new_run(api, stack, token, resta
     task = create_task(api, max_output_tokens=8)
     settings.LMSP_MAX_ATTEMPTS = 1
     with transaction.atomic():  # the stack's own sweeper sees it failed, never expired
-        assert lifecycle.claim(task["id"], "lost@host").attempt == 1
+        assert claims.claim(task["id"], "lost@host").attempt == 1
         Task.objects.filter(id=task["id"]).update(lease_expires_at=timezone.now() - timedelta(1))
-        assert lifecycle.sweep().ended == [task["id"]]
+        assert sweeper.sweep().ended == [task["id"]]
     failed = api.get(f"/lmsp/v1/tasks/{task['id']}").json()
     assert failed["status"] == "failed" and failed["error"]["code"] == "worker_lost"
     path = f"/lmsp/v1/tasks/{task['id']}/events"

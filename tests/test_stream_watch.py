@@ -26,7 +26,7 @@ from lmsp_core.http import db_call
 from lmsp_project.devstack import free_port
 from responses_app.serializers import validate_response_request
 from responses_app.submit import submit
-from tasks_app import event_reader, lifecycle, streams
+from tasks_app import event_reader, feeds, lifecycle, streams
 from tasks_app.event_log import StoredEvent
 from tasks_app.models import Task, TaskKind
 from tasks_app.notify import hub
@@ -86,7 +86,7 @@ async def close_pool() -> None:
 
 def placed(task_id: str) -> bool:
     """Whether the feed of this queued task has read its place in the queue."""
-    feed = streams._feeds.get(task_id)
+    feed = feeds._feeds.get(task_id)
     return feed is not None and feed.queue_position is not None
 
 

@@ -2,7 +2,9 @@
 (``tasks_app.transitions``): each transition is made for real against
 PostgreSQL, where a trigger records every change of the row (its status
 before and after, the columns that changed), and each recorded change must
-be allowed by its line; and the code that writes the task table is exactly
+be allowed by its line; a second trigger records each change of a
+response's status, which must be exactly the move its task's line states;
+and the code that writes the task table, or a response's status, is exactly
 what the table names."""
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from generation.params import GenerationParams
 from generation.registry import get_model
 from lmsp_core.status import FINAL_STATUSES as FINAL
 from lmsp_core.status import Status
-from tasks_app import lifecycle, retention
+from tasks_app import checkpoints, claims, endings, lifecycle, retention, sweeper, upstream_waits
 from tasks_app.models import OwnerQuota, Task
 from tasks_app.transitions import TRANSITIONS, writers
 
@@ -52,11 +54,30 @@ BEGIN
 END $$;
 CREATE TRIGGER lmsp_test_task_changes AFTER INSERT OR UPDATE ON tasks_app_task
     FOR EACH ROW EXECUTE FUNCTION lmsp_test_record_task_change();
+CREATE TABLE lmsp_test_response_changes (
+    id serial PRIMARY KEY, response_id text, before_status text, after_status text
+);
+CREATE FUNCTION lmsp_test_record_response_change() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        INSERT INTO lmsp_test_response_changes (response_id, before_status, after_status)
+        VALUES (NEW.id, NULL, NEW.status);
+    ELSIF OLD.status IS DISTINCT FROM NEW.status THEN
+        INSERT INTO lmsp_test_response_changes (response_id, before_status, after_status)
+        VALUES (NEW.id, OLD.status, NEW.status);
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER lmsp_test_response_changes AFTER INSERT OR UPDATE ON responses_app_response
+    FOR EACH ROW EXECUTE FUNCTION lmsp_test_record_response_change();
 """
 FORGET_CHANGES = """
 DROP TRIGGER IF EXISTS lmsp_test_task_changes ON tasks_app_task;
 DROP FUNCTION IF EXISTS lmsp_test_record_task_change();
 DROP TABLE IF EXISTS lmsp_test_task_changes;
+DROP TRIGGER IF EXISTS lmsp_test_response_changes ON responses_app_response;
+DROP FUNCTION IF EXISTS lmsp_test_record_response_change();
+DROP TABLE IF EXISTS lmsp_test_response_changes;
 """
 
 
@@ -66,24 +87,33 @@ def private_queue(settings) -> None:  # noqa: ANN001
     settings.LMSP_QUEUE_PREFIX = "lmsp.test-transitions"
 
 
+Changes = tuple[list[tuple], list[tuple[str | None, str]]]
+
+
 @pytest.fixture
-def changes(transactional_db) -> Iterator[Callable[[], list[tuple]]]:  # noqa: ANN001
-    """The changes of task rows recorded since the last call (and forgotten)."""
+def changes(transactional_db) -> Iterator[Callable[[], Changes]]:  # noqa: ANN001
+    """The changes of task rows, and the moves of responses' statuses
+    (before, after), recorded since the last call (and forgotten)."""
     with connection.cursor() as cursor:
         cursor.execute(FORGET_CHANGES)
         cursor.execute(RECORD_CHANGES)
 
-    def taken() -> list[tuple]:
+    def taken() -> Changes:
         with connection.cursor() as cursor:
             cursor.execute(
                 "DELETE FROM lmsp_test_task_changes"
                 " RETURNING id, task_id, before_status, after_status, changed"
             )
             rows = sorted(cursor.fetchall())
-        return [
+            cursor.execute(
+                "DELETE FROM lmsp_test_response_changes RETURNING id, before_status, after_status"
+            )
+            moves = [(before, after) for _, before, after in sorted(cursor.fetchall())]
+        tasks = [
             (task_id, before, after, frozenset(changed))
             for _, task_id, before, after, changed in rows
         ]
+        return tasks, moves
 
     yield taken
     with connection.cursor() as cursor:
@@ -92,7 +122,7 @@ def changes(transactional_db) -> Iterator[Callable[[], list[tuple]]]:  # noqa: A
 
 def claimed() -> Task:
     task = new_task()
-    taken = lifecycle.claim(task.id, "w1")
+    taken = claims.claim(task.id, "w1")
     assert taken is not None and taken.id == task.id
     return taken
 
@@ -114,8 +144,8 @@ def age(task: Task) -> Task:
 
 
 def ended(status: str) -> Callable[[Task], object]:
-    return lambda task: lifecycle.finish(
-        task.id, task.attempt, [], lifecycle.Outcome(status=status, error={})
+    return lambda task: endings.finish(
+        task.id, task.attempt, [], endings.Outcome(status=status, error={})
     )
 
 
@@ -136,19 +166,19 @@ def scenarios(empty_queue: Callable[[], object]) -> list[tuple[str, Callable, Ca
     returns a task, the change itself, given that task)."""
 
     def sweep(_: Task) -> object:
-        return lifecycle.sweep()
+        return sweeper.sweep()
 
     def claim(task: Task) -> object:
-        return lifecycle.claim(task.id, "w1")
+        return claims.claim(task.id, "w1")
 
     def cancel(task: Task) -> object:
         return lifecycle.request_cancel(task.id)
 
     def progress(task: Task) -> object:
         delta = ("response.output_text.delta", {"delta": "Hi"})
-        return lifecycle.record_progress(task.id, task.attempt, [delta], [1, 2], {"tokens": 2})
+        return checkpoints.record_progress(task.id, task.attempt, [delta], [1, 2], {"tokens": 2})
 
-    def hand_back(task: Task) -> object:
+    def hand_back(task: Task, waiting: upstream_waits.Waiting | None = None) -> object:
         assembler = OutputAssembler.for_generation(
             task.response_id, GenerationParams(), get_model(task.model)
         )
@@ -157,7 +187,15 @@ def scenarios(empty_queue: Callable[[], object]) -> list[tuple[str, Callable, Ca
             "detokenizer": {"prefix": 0, "read": 0},
             "assembler": assembler.compact_state(),
         }
-        return lifecycle.hand_back(lifecycle.Flush(task.id, task.attempt, [], [1, 2], checkpoint))
+        flush = checkpoints.Flush(task.id, task.attempt, [], [1, 2], checkpoint)
+        return checkpoints.hand_back(flush, waiting=waiting)
+
+    def upstream_down(timeout_seconds: float) -> Callable[[Task], object]:
+        waiting = upstream_waits.Waiting("http://gpu:8000/v1 answered 503", timeout_seconds, 10)
+        return lambda task: hand_back(task, waiting)
+
+    def waited(task: Task) -> None:
+        Task.objects.filter(id=task.id).update(waiting_reason="503", waiting_since=timezone.now())
 
     def past_its_attempts(task: Task) -> None:
         Task.objects.filter(id=task.id).update(attempt=settings.LMSP_MAX_ATTEMPTS)
@@ -167,35 +205,42 @@ def scenarios(empty_queue: Callable[[], object]) -> list[tuple[str, Callable, Ca
 
     return [
         ("services.start_task", lambda: None, lambda _: new_task()),
-        ("lifecycle.claim", new_task, claim),
-        ("lifecycle.claim", with_running_limit, claim),  # the owner's running tasks counted
-        ("lifecycle.claim (may no longer run)", not_allowed_to_its_owner, claim),
-        ("lifecycle.record_progress", claimed, progress),
-        ("lifecycle.renew_lease", claimed, lambda t: lifecycle.renew_lease(t.id, t.attempt)),
-        ("lifecycle.finish", claimed, ended(Status.COMPLETED)),
+        ("claims.claim", new_task, claim),
+        ("claims.claim", with_running_limit, claim),  # the owner's running tasks counted
+        ("claims.claim (may no longer run)", not_allowed_to_its_owner, claim),
+        ("checkpoints.record_progress", claimed, progress),
+        ("claims.renew_lease", claimed, lambda t: claims.renew_lease(t.id, t.attempt)),
+        ("endings.finish", claimed, ended(Status.COMPLETED)),
         ("lifecycle.request_cancel (queued)", new_task, cancel),
         ("lifecycle.request_cancel (running)", claimed, cancel),
-        ("lifecycle.hand_back", claimed, hand_back),
-        ("lifecycle.hand_back (cancelled meanwhile)", lambda: claimed_then(cancel), hand_back),
-        ("lifecycle.sweep (lease expired, re-queued)", lambda: claimed_then(expire_lease), sweep),
+        ("checkpoints.hand_back", claimed, hand_back),
+        ("checkpoints.hand_back (cancelled meanwhile)", lambda: claimed_then(cancel), hand_back),
+        ("checkpoints.hand_back (upstream unavailable)", claimed, upstream_down(600)),
+        ("checkpoints.hand_back (waited too long)", claimed, upstream_down(0)),
         (
-            "lifecycle.sweep (lease expired, ended)",
+            "upstream_waits.recovered",
+            lambda: claimed_then(waited),
+            lambda task: upstream_waits.recovered(task.id, task.attempt),
+        ),
+        ("sweeper.sweep (lease expired, re-queued)", lambda: claimed_then(expire_lease), sweep),
+        (
+            "sweeper.sweep (lease expired, ended)",
             lambda: claimed_then(cancel, expire_lease),
             sweep,
         ),
         (
-            "lifecycle.sweep (lease expired, ended)",
+            "sweeper.sweep (lease expired, ended)",
             lambda: claimed_then(past_its_attempts, expire_lease),
             sweep,
         ),
-        ("lifecycle.sweep (message lost, re-sent)", lambda: age(new_task()), sweep),  # behind
+        ("sweeper.sweep (message lost, re-sent)", lambda: age(new_task()), sweep),  # behind
         (
-            "lifecycle.sweep (message lost, re-sent)",  # its message is gone: sent again
+            "sweeper.sweep (message lost, re-sent)",  # its message is gone: sent again
             lambda: (age(new_task()), empty_queue())[0],
             sweep,
         ),
         (
-            "lifecycle.sweep (queued, model gone)",
+            "sweeper.sweep (queued, model gone)",
             lambda: (task := age(new_task()), model_removed(task), empty_queue())[0],
             sweep,
         ),
@@ -219,13 +264,18 @@ def test_every_change_of_a_task_is_allowed_by_its_line(changes, broker):
         task = set_up()
         changes()  # the set-up's own writes are not the transition's
         change(task)
-        recorded = changes()
+        recorded, moved = changes()
         assert recorded, f"{name}: no change recorded"
         transition = TRANSITIONS[name]
         for task_id, before, after, changed in recorded:
             assert transition.allows(before, after, changed), (
                 f"{name} changed {task_id} {before} -> {after}, setting {sorted(changed)}"
             )
+        # its response moves as its line says, once, or not at all
+        assert set(moved) <= transition.response_moves, f"{name} moved its response: {moved}"
+        assert len(moved) == min(1, len(transition.response_moves)), (
+            f"{name} moved its response {moved}, its line: {transition.response_moves}"
+        )
         made.add(name)
         # the next scenario starts alone: its claim takes its own task
         Task.objects.exclude(status__in=FINAL).update(status=Status.CANCELLED)
@@ -235,7 +285,7 @@ def test_every_change_of_a_task_is_allowed_by_its_line(changes, broker):
 
 
 def test_a_change_outside_its_line_is_refused():
-    claim = TRANSITIONS["lifecycle.claim"]
+    claim = TRANSITIONS["claims.claim"]
     assert claim.allows("queued", "in_progress", frozenset({"status", "attempt", "worker"}))
     assert not claim.allows("queued", "in_progress", frozenset({"status", "checkpoint"}))
     assert not claim.allows("failed", "in_progress", frozenset({"status"}))
@@ -244,7 +294,21 @@ def test_a_change_outside_its_line_is_refused():
     assert not prune.allows("completed", "completed", frozenset({"*"}))
 
 
-# --- the writers of the task table, read from the code -------------------------------
+def test_a_response_is_in_progress_until_its_task_ends_with_the_same_status():
+    assert TRANSITIONS["services.start_task"].response_moves == {(None, "in_progress")}
+    assert not TRANSITIONS["claims.claim"].response_moves
+    assert not TRANSITIONS["checkpoints.hand_back"].response_moves
+    assert not TRANSITIONS["retention.prune_events"].response_moves
+    assert TRANSITIONS["lifecycle.request_cancel (queued)"].response_moves == {
+        ("in_progress", "cancelled")
+    }
+    assert TRANSITIONS["endings.finish"].response_moves == {
+        ("in_progress", str(status)) for status in FINAL
+    }
+    assert TRANSITIONS["lifecycle.requeue_failed"].response_moves == {("failed", "in_progress")}
+
+
+# --- the writers of the task table and of responses' statuses, read from the code ---
 
 
 TASK_WRITES = ("UPDATE tasks_app_task", "INSERT INTO tasks_app_task")
@@ -275,10 +339,28 @@ def _writes_tasks(node: ast.AST) -> bool:
     return False
 
 
-def task_writers() -> set[str]:
+def _writes_response_status(node: ast.AST) -> bool:
+    """Whether a statement sets a response's status: SQL that updates the
+    response table's status, or an ORM write given ``status`` through
+    anything named for responses (``Response``, ``response_model``)."""
+    for inner in ast.walk(node):
+        if isinstance(inner, ast.Constant) and isinstance(inner.value, str):
+            sql = " ".join(inner.value.split())
+            if "UPDATE responses_app_response" in sql and "status" in sql:
+                return True
+        if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute):
+            receiver = _names_in(inner.func.value)
+            sets_status = any(keyword.arg == "status" for keyword in inner.keywords)
+            if inner.func.attr in ORM_WRITES and sets_status:
+                if any("response" in name.lower() for name in receiver):
+                    return True
+    return False
+
+
+def writers_in_code(writes: Callable[[ast.AST], bool] = _writes_tasks) -> set[str]:
     """``module.function`` (or ``module.CONSTANT``) of every statement of the
-    service that writes task rows; modules of ``tasks_app`` by their short
-    name, others by their dotted path."""
+    service that ``writes`` (task rows, by default); modules of ``tasks_app``
+    by their short name, others by their dotted path."""
     found = set()
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
@@ -295,10 +377,10 @@ def task_writers() -> set[str]:
                         for n in ast.walk(scope)
                         if n is not scope and isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
                     }
-                    if any(_writes_tasks(n) for n in own if id(n) not in inner_defs):
+                    if any(writes(n) for n in own if id(n) not in inner_defs):
                         found.add(f"{module}.{scope.name}")
             for statement in tree.body:
-                if isinstance(statement, ast.Assign) and _writes_tasks(statement):
+                if isinstance(statement, ast.Assign) and writes(statement):
                     for target in statement.targets:
                         if isinstance(target, ast.Name):
                             found.add(f"{module}.{target.id}")
@@ -306,4 +388,8 @@ def task_writers() -> set[str]:
 
 
 def test_the_table_names_every_writer_of_the_task_table():
-    assert task_writers() == writers()
+    assert writers_in_code() == writers()
+
+
+def test_only_the_lifecycle_moves_a_response_s_status():
+    assert writers_in_code(_writes_response_status) == {"transitions.move_response"}

@@ -20,7 +20,7 @@ from responses_app import records
 from responses_app.models import Response
 from responses_app.serializers import validate_response_request
 from responses_app.submit import prepare_generation, start_generation
-from tasks_app import lifecycle, usage
+from tasks_app import checkpoints, claims, endings, lifecycle, usage
 from tasks_app.models import DailyUsage, Task, TaskKind, UsageRecord
 from tasks_app.signals import task_finished
 from workers.runner import run_task
@@ -43,7 +43,7 @@ def private_queue(settings) -> None:
 @pytest.fixture
 def engine_seconds() -> list[float]:
     """The worker seconds each ending attempt measured, as the runner hands
-    them to ``lifecycle.finish`` (read from the ``task_finished`` signal)."""
+    them to ``endings.finish`` (read from the ``task_finished`` signal)."""
     seen: list[float] = []
 
     def heard(sender, task, outcome, **kwargs) -> None:  # noqa: ANN001
@@ -90,8 +90,8 @@ def test_a_run_completes_its_record_and_adds_it_to_its_day_once(engine_seconds):
     assert day_of(task) == as_day(record)
     # a redelivered message, a stale attempt's finish and a second end change nothing
     assert run_task(task.id, "late-redelivery") is None
-    outcome = lifecycle.Outcome(status=Status.COMPLETED, output_tokens=99, cached_tokens=99)
-    assert lifecycle.finish(task.id, task.attempt, [], outcome) is False
+    outcome = endings.Outcome(status=Status.COMPLETED, output_tokens=99, cached_tokens=99)
+    assert endings.finish(task.id, task.attempt, [], outcome) is False
     usage.end(
         task.response_id,
         Status.COMPLETED,
@@ -123,9 +123,9 @@ def test_a_cancel_while_queued_counts_the_request_with_no_output_and_no_worker_t
 
 def test_a_handed_back_task_is_counted_once_when_it_ends(engine_seconds):
     task = new_task(max_output_tokens=8)
-    claimed = lifecycle.claim(task.id, "w1")
-    flush = lifecycle.Flush(task.id, claimed.attempt, [], [], checkpoint_of(task, tokens=0))
-    assert lifecycle.hand_back(flush, worker_seconds=2.5)
+    claimed = claims.claim(task.id, "w1")
+    flush = checkpoints.Flush(task.id, claimed.attempt, [], [], checkpoint_of(task, tokens=0))
+    assert checkpoints.hand_back(flush, worker_seconds=2.5)
     assert not DailyUsage.objects.exists()  # not ended: not counted yet
     assert UsageRecord.objects.get(response_id=task.response_id).worker_seconds == 2.5
     assert run_task(task.id, "w2") in ("completed", "incomplete")
@@ -155,15 +155,15 @@ def test_a_failed_task_run_again_counts_as_its_new_run_only():
 
 def test_an_erased_running_task_ends_its_record_cancelled_with_its_checkpoint_s_tokens():
     task = new_task(store=True, max_output_tokens=8)
-    claimed = lifecycle.claim(task.id, "w1")
-    lifecycle.record_progress(task.id, claimed.attempt, [], [5, 6], checkpoint_of(task, tokens=2))
+    claimed = claims.claim(task.id, "w1")
+    checkpoints.record_progress(task.id, claimed.attempt, [], [5, 6], checkpoint_of(task, tokens=2))
     records.erase(Response.objects.filter(id=task.response_id))
     assert not Task.objects.filter(id=task.id).exists()
     record = UsageRecord.objects.get(response_id=task.response_id)
     assert (record.status, record.output_tokens) == ("cancelled", 2)
     assert day_of(task) == as_day(record)
-    outcome = lifecycle.Outcome(status=Status.COMPLETED, output_tokens=8)
-    assert lifecycle.finish(task.id, claimed.attempt, [], outcome) is False  # its worker, late
+    outcome = endings.Outcome(status=Status.COMPLETED, output_tokens=8)
+    assert endings.finish(task.id, claimed.attempt, [], outcome) is False  # its worker, late
     assert day_of(task) == as_day(record)
 
 
