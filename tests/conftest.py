@@ -18,7 +18,7 @@ from lmsp_project.celery import app as celery_app
 from lmsp_project.devstack import free_port, start_redis
 from lmsp_project.vllm import VllmServer, preload, vllm_python
 
-from .stack import LOGS, STACK_SETTINGS, Stack
+from .stack import LOGS, STACK_SETTINGS, Stack, start_together
 
 # vLLM's server for the upstream tests, started as soon as the tests that need
 # it are collected: its start (about 100 s) overlaps the tests before them.
@@ -88,11 +88,21 @@ def lm():  # noqa: ANN201
 
 @pytest.fixture
 def restart_after(stack: Stack) -> Iterator[None]:
-    """Whatever a test kills is running again for the next test."""
+    """Whatever a test kills or pauses is running again for the next test."""
     yield
-    for proc in (stack.web, stack.worker, stack.ops):
-        if proc.process is None or proc.process.poll() is not None:
-            proc.start()
+    run_again(stack)
+
+
+def run_again(stack: Stack) -> None:
+    """Each of the stack's processes that a test stopped started again, and
+    its model worker taking jobs again if the test paused it."""
+    start_together(
+        proc
+        for proc in (stack.web, stack.worker, stack.ops)
+        if proc.process is None or proc.process.poll() is not None
+    )
+    if stack.paused:  # (a worker started again since consumes already: no harm)
+        stack.resume_worker()
 
 
 def make_token(username: str = "alice", scopes: list[str] | None = None) -> str:

@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import ClassVar
 from urllib.parse import quote
@@ -61,6 +63,10 @@ class Proc:
         self.starts = 0
 
     def start(self, timeout: float = 120) -> None:
+        start_together([self], timeout)
+
+    def launch(self) -> int:
+        """Start the process; the offset in its log after which it says it is ready."""
         LOGS.mkdir(parents=True, exist_ok=True)
         self.starts += 1
         log = open(self.log_path, "a")  # noqa: SIM115 - the child holds it
@@ -75,7 +81,10 @@ class Proc:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        deadline = time.monotonic() + timeout
+        return offset
+
+    def wait_until_ready(self, offset: int, deadline: float) -> None:
+        assert self.process is not None
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} exited early; see {self.log_path}")
@@ -84,7 +93,7 @@ class Proc:
                 if self.ready in f.read():
                     return
             time.sleep(0.1)
-        raise RuntimeError(f"{self.name} not ready after {timeout}s; see {self.log_path}")
+        raise RuntimeError(f"{self.name} not ready in time; see {self.log_path}")
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.process and self.process.poll() is None:
@@ -92,7 +101,28 @@ class Proc:
             self.process.wait(30)
 
     def stop(self) -> None:
-        self.kill(signal.SIGTERM)
+        stop_together([self])
+
+
+def start_together(procs: Iterable[Proc], timeout: float = 120) -> None:
+    """Start ``procs`` at once and wait until each is ready: their starts
+    (imports, a model's load) overlap instead of adding up."""
+    launched = [(proc, proc.launch()) for proc in procs]
+    deadline = time.monotonic() + timeout
+    for proc, offset in launched:
+        proc.wait_until_ready(offset, deadline)
+
+
+def stop_together(procs: Iterable[Proc]) -> None:
+    """SIGTERM to each of ``procs`` that runs, then wait for all: their
+    shutdowns (a web process's grace for its streams) overlap."""
+    stopping = [proc for proc in procs if proc.process and proc.process.poll() is None]
+    for proc in stopping:
+        assert proc.process is not None
+        os.killpg(proc.process.pid, signal.SIGTERM)
+    for proc in stopping:
+        assert proc.process is not None
+        proc.process.wait(30)
 
 
 class Stack:
@@ -109,6 +139,7 @@ class Stack:
         # change the setting for their own in-process runs).
         self.queue_prefix = settings.LMSP_QUEUE_PREFIX
         self.redis: subprocess.Popen | None = None
+        self.paused = False  # the model worker takes no job (pause_worker)
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
         self.redis_url = redis_url
         self.env = {
@@ -175,15 +206,28 @@ class Stack:
 
     def start(self) -> None:
         self.start_redis()
-        for proc in (self.web, self.worker, self.ops):
-            proc.start()
+        start_together((self.web, self.worker, self.ops))
         Stack.running = self
 
     def stop(self) -> None:
         Stack.running = None
-        for proc in (self.ops, self.worker, self.web):
-            proc.stop()
+        stop_together((self.ops, self.worker, self.web))
         self.stop_redis()
+
+    @contextmanager
+    def stand_in(self, db: dict, extra_env: dict[str, str]) -> Iterator[Stack]:
+        """Another stack (``extra_env`` on top, the same database and Redis)
+        in place of this one, whose processes wait stopped meanwhile."""
+        stop_together((self.ops, self.worker, self.web))
+        other = Stack(db, self.redis_port, extra_env)
+        Stack.running = other
+        try:
+            start_together((other.web, other.worker, other.ops))
+            yield other
+        finally:
+            stop_together((other.ops, other.worker, other.web))
+            Stack.running = self
+            start_together((self.web, self.worker, self.ops))
 
     def start_redis(self) -> None:
         self.redis = start_redis(LOGS / f"redis-{self.redis_port}", self.redis_port, persist=False)
@@ -194,6 +238,48 @@ class Stack:
             self.redis.kill()
             self.redis.wait(10)
 
+    def _worker_queues(self) -> tuple[str, list[str]]:
+        """The running model worker's Celery name and the queues it consumes."""
+        from generation.registry import served_models
+
+        assert self.worker.process is not None
+        name = f"models-{self.worker.process.pid}@{socket.gethostname()}"
+        shared = [f"{self.queue_prefix}.{spec.slug}" for spec in served_models()]
+        return name, [*shared, *(f"{queue}@{name}" for queue in shared)]
+
+    def pause_worker(self) -> None:
+        """The model worker stops taking jobs, as if it were stopped: what is
+        submitted stays queued in Redis. Its process and loaded model stay,
+        so ``resume_worker`` takes the queue again at once, where a restart
+        takes about 12 s of a test (Celery's ``cancel_consumer``)."""
+        from lmsp_project.celery import app
+
+        name, queues = self._worker_queues()
+        with app.connection() as connection:
+            for queue in queues:
+                answer = app.control.cancel_consumer(
+                    queue, destination=[name], reply=True, timeout=10, connection=connection
+                )
+                assert answer and "ok" in answer[0][name], answer
+        # A fetch the worker began before the cancel waits up to kombu's
+        # BRPOP timeout (1 s) and would hand a message back, not run it:
+        # let it pass before the test submits anything.
+        time.sleep(1.5)
+        self.paused = True
+
+    def resume_worker(self) -> None:
+        """The paused model worker consumes its queues again."""
+        from lmsp_project.celery import app
+
+        name, queues = self._worker_queues()
+        with app.connection() as connection:
+            for queue in queues:
+                answer = app.control.add_consumer(
+                    queue, destination=[name], reply=True, timeout=10, connection=connection
+                )
+                assert answer and "ok" in answer[0][name], answer
+        self.paused = False
+
     def wait_until_the_worker_is_idle(self, timeout: float) -> None:
         """Until the model worker (if it runs) has no message waiting in its
         queues, none reserved and no job running; raises past ``timeout``.
@@ -202,15 +288,13 @@ class Stack:
         import redis
         from django.conf import settings
 
-        from generation.registry import served_models
         from lmsp_project.celery import app
         from tasks_app.broker import queue_lists
 
         process = self.worker.process
         if process is None or process.poll() is not None:
             return  # no worker: nothing takes a message
-        queues = [f"{self.queue_prefix}.{spec.slug}" for spec in served_models()]
-        name = f"models-{process.pid}@{socket.gethostname()}"
+        name, queues = self._worker_queues()
         client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5)
         deadline = time.monotonic() + timeout
         while True:

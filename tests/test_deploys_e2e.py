@@ -18,7 +18,7 @@ from tasks_app.models import Task
 
 from .conftest import deltas_text, user_message
 from .test_deployment import manage
-from .test_engine_e2e import request_of, text_alone
+from .test_engine_e2e import request_of, texts_uninterrupted
 from .test_streams_e2e import Follower, _pg_start, _pg_stop
 from .test_tasks_e2e import assert_one_contiguous_stream, create_task, read_events, wait_for
 
@@ -52,10 +52,11 @@ def test_a_drained_worker_hands_eight_generations_to_the_worker_started_beside_i
     tasks = [
         create_task(api, input=story, max_output_tokens=300, temperature=0) for story in STORIES
     ]
-    # Each prompt's answer alone, computed meanwhile on a thread of this
-    # process, which waits anyway (it only slows the generations down).
+    # Each prompt's uninterrupted answer, computed meanwhile on a thread of
+    # this process, which waits anyway (it only slows the generations down).
     pool = ThreadPoolExecutor(1)
-    alone = [pool.submit(text_alone, lm, *request_of(lm, task["response_id"])) for task in tasks]
+    requests = [request_of(lm, task["response_id"]) for task in tasks]
+    uninterrupted = pool.submit(texts_uninterrupted, lm, requests)
     followers = [Follower(stack, token, f"/lmsp/v1/tasks/{task['id']}/events") for task in tasks]
     for follower in followers:
         follower.wait_for(6, timeout=120)  # all 8 are generating
@@ -69,14 +70,14 @@ def test_a_drained_worker_hands_eight_generations_to_the_worker_started_beside_i
         old.wait(30)
         exited = time.monotonic() - signalled
         starting.join(120)
-        for task, follower, answer in zip(tasks, followers, alone, strict=True):
+        for task, follower, answer in zip(tasks, followers, uninterrupted.result(), strict=True):
             done = wait_for(api, task["id"], timeout=300)
             assert done["status"] in ("completed", "incomplete")
             events = follower.finish()
             assert events == read_events(api, task["id"])  # every event once, in order
             assert_one_contiguous_stream(events, done)
             # its own prompt's answer, as if it had never moved
-            assert deltas_text(events) == answer.result()
+            assert deltas_text(events) == answer
         workers = {Task.objects.get(id=task["id"]).worker for task in tasks}
     finally:
         successor.stop()

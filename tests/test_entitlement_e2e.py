@@ -71,7 +71,7 @@ def billed(username: str) -> tuple[int, int]:
 def test_twenty_queued_tasks_of_a_revoked_token_never_run(stack, restart_after):
     revoked = create_token(username="revoked-owner", scopes=ALL_SCOPES)
     bystander = create_token(username="bystander", scopes=ALL_SCOPES)
-    stack.worker.stop()  # nothing is claimed: the tasks wait in the queue
+    stack.pause_worker()  # nothing is claimed: the tasks wait in the queue
     try:
         with stack.client(revoked.secret) as client:
             queued = [post_task(client) for _ in range(20)]
@@ -79,7 +79,7 @@ def test_twenty_queued_tasks_of_a_revoked_token_never_run(stack, restart_after):
             other = post_task(client)  # behind them, of a token still valid
         assert revoke_token(revoked.secret) == 1
     finally:
-        stack.worker.start()
+        stack.resume_worker()
     tasks = wait_final([*queued, other])
     for task in tasks:
         if task.id == other:

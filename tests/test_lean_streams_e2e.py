@@ -223,7 +223,7 @@ def test_expired_history_is_410_alike(twins, api, token):
 
 
 def test_live_streams_caps_and_keep_alives_alike(twins, api, token, stack, restart_after):
-    stack.worker.stop()  # queued: the streams stay open, with keep-alives (1 s here)
+    stack.pause_worker()  # queued: the streams stay open, with keep-alives (1 s here)
     task = create_task(api, max_output_tokens=4)
     path = f"/lmsp/v1/tasks/{task['id']}/events"
     held = {port: [_held(port, path, token) for _ in range(2)] for port in twins}

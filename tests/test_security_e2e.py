@@ -191,8 +191,9 @@ def test_every_route_that_reads_json_refuses_them_alike(stack, token, path, body
 @pytest.fixture
 def capped(stack, restart_after):
     """A web process of its own with small caps (2 streams per token, 3 per
-    owner), and no model worker: what is followed stays queued, its streams open."""
-    stack.worker.stop()
+    owner), and the model worker paused: what is followed stays queued, its
+    streams open."""
+    stack.pause_worker()
     port = free_port()
     proc = stack.another_web(
         port, "web-capped-owner", LMSP_MAX_STREAMS_PER_TOKEN="2", LMSP_MAX_STREAMS_PER_OWNER="3"

@@ -129,7 +129,7 @@ def test_a_follower_of_a_requeued_task_gets_the_new_run(api, stack, token, resta
     follower resuming after the old ``response.failed`` gets the new run's
     events (before: an empty 200, again and again), and so does one from the
     start, through the old failure."""
-    stack.worker.stop()  # the task waits; the test plays the worker that is lost
+    stack.pause_worker()  # the task waits; the test plays the worker that is lost
     task = create_task(api, max_output_tokens=8)
     settings.LMSP_MAX_ATTEMPTS = 1
     with transaction.atomic():  # the stack's own sweeper sees it failed, never expired
@@ -148,7 +148,7 @@ def test_a_follower_of_a_requeued_task_gets_the_new_run(api, stack, token, resta
     after_failure.wait_for(1, timeout=30)  # the new run's response.created, while queued
     assert after_failure.events[0]["id"] == old_end + 1
     assert after_failure.events[0]["event"] == "response.created"
-    stack.worker.start()
+    stack.resume_worker()
 
     done = wait_for(api, task["id"])
     assert done["status"] in ("completed", "incomplete")
@@ -164,7 +164,7 @@ def test_a_follower_of_a_requeued_task_gets_the_new_run(api, stack, token, resta
 
 
 def _queued_follower(api, stack, token: str) -> tuple[dict, Follower]:
-    """A follower of a task that waits in the queue (the worker is stopped):
+    """A follower of a task that waits in the queue (the worker is paused):
     its stream stays open until something ends it."""
     task = create_task(api, max_output_tokens=4)
     follower = Follower(stack, token, f"/lmsp/v1/tasks/{task['id']}/events")
@@ -181,7 +181,7 @@ def _ended_within(follower: Follower, since: float, seconds: float) -> list[dict
 
 
 def test_a_revoked_tokens_open_streams_end_within_5_s(api, stack, token, restart_after):
-    stack.worker.stop()
+    stack.pause_worker()
     task, follower = _queued_follower(api, stack, token)
     background = {"model": "smollm2:135m", "input": "Hi.", "background": True}
     response_id = api.post("/v1/responses", json=background).json()["id"]
@@ -213,7 +213,7 @@ def test_an_expired_token_without_a_message_ends_its_stream_at_the_next_check(
 ):
     """No message says it: the web process's periodic check of its streams'
     tokens (``LMSP_STREAM_ACCESS_CHECK_SECONDS``, 2 s on the test stack) ends it."""
-    stack.worker.stop()
+    stack.pause_worker()
     task, follower = _queued_follower(api, stack, token)
     expired_at = time.monotonic()
     ApiToken.objects.filter(owner__username="alice").update(expires_at=timezone.now())

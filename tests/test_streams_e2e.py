@@ -27,7 +27,7 @@ from tasks_app.models import Task, TaskKind, UsageRecord
 from tasks_app.retention import prune_events
 from tasks_app.streams import follow_events
 
-from .conftest import LONG_STORY, make_token, parse_sse, request_body, user_message
+from .conftest import LONG_STORY, make_token, parse_sse, request_body, run_again, user_message
 from .test_tasks_e2e import create_task, read_events, wait_for, wait_for_events
 
 pytestmark = pytest.mark.e2e
@@ -42,16 +42,15 @@ FINAL_EVENTS = {
 
 @pytest.fixture
 def restart_after(stack):
-    """Whatever a test stops (Redis, PostgreSQL, a process) runs again afterwards."""
+    """Whatever a test stops or pauses (Redis, PostgreSQL, a process) runs
+    again afterwards."""
     yield
     if stack.redis is None or stack.redis.poll() is not None:
         stack.start_redis()
     if not _postgres_running():
         _pg_start()
     connections.close_all()
-    for proc in (stack.web, stack.worker, stack.ops):
-        if proc.process is None or proc.process.poll() is not None:
-            proc.start()
+    run_again(stack)
 
 
 class Follower(threading.Thread):
@@ -181,7 +180,7 @@ NO_SAFETY_CHECK = {"LMSP_STREAM_CHECK_SECONDS": "3600"}
 def test_idle_followers_make_no_queries_until_redis_goes_away(api, stack, token, restart_after):
     from lmsp_project.devstack import free_port
 
-    stack.worker.stop()  # the task stays queued: its followers are idle
+    stack.pause_worker()  # the task stays queued: its followers are idle
     stack.ops.stop()  # and no sweeper queries meanwhile
     port = free_port()
     quiet = stack.another_web(port, "web-no-safety-check", **NO_SAFETY_CHECK)
@@ -351,7 +350,7 @@ def _raw_stream(
 
 
 def test_stream_caps_answer_overloaded_problem_documents(api, stack, token, restart_after):
-    stack.worker.stop()  # the task stays queued: its streams stay open
+    stack.pause_worker()  # the task stays queued: its streams stay open
     task = create_task(api, max_output_tokens=4)
     path = f"/lmsp/v1/tasks/{task['id']}/events"
     port = free_port()

@@ -70,23 +70,10 @@ def upstream_stack(stack: Stack, vllm: VllmServer, tmp_path_factory, django_db_b
     """The service with the upstream model only, while the session's stack waits."""
     models = tmp_path_factory.mktemp("upstream") / "models.toml"
     models.write_text(models_file(vllm.base_url))
-    paused = (stack.ops, stack.worker, stack.web)
-    for proc in paused:
-        proc.stop()
     with django_db_blocker.unblock():
         db = connections["default"].settings_dict
-    fronted = Stack(db, stack.redis_port, {"LMSP_MODELS_FILE": str(models)})
-    Stack.running = fronted
-    try:
-        for proc in (fronted.web, fronted.worker, fronted.ops):
-            proc.start()
+    with stack.stand_in(db, {"LMSP_MODELS_FILE": str(models)}) as fronted:
         yield fronted
-    finally:
-        for proc in (fronted.ops, fronted.worker, fronted.web):
-            proc.stop()
-        Stack.running = stack
-        for proc in reversed(paused):
-            proc.start()
 
 
 @pytest.fixture
