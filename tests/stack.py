@@ -252,15 +252,7 @@ class Stack:
         submitted stays queued in Redis. Its process and loaded model stay,
         so ``resume_worker`` takes the queue again at once, where a restart
         takes about 12 s of a test (Celery's ``cancel_consumer``)."""
-        from lmsp_project.celery import app
-
-        name, queues = self._worker_queues()
-        with app.connection() as connection:
-            for queue in queues:
-                answer = app.control.cancel_consumer(
-                    queue, destination=[name], reply=True, timeout=10, connection=connection
-                )
-                assert answer and "ok" in answer[0][name], answer
+        self._tell_worker("cancel_consumer")
         # A fetch the worker began before the cancel waits up to kombu's
         # BRPOP timeout (1 s) and would hand a message back, not run it:
         # let it pass before the test submits anything.
@@ -269,16 +261,25 @@ class Stack:
 
     def resume_worker(self) -> None:
         """The paused model worker consumes its queues again."""
+        self._tell_worker("add_consumer")
+        self.paused = False
+
+    def _tell_worker(self, command: str) -> None:
+        """Celery's remote ``command`` for each of the model worker's queues."""
         from lmsp_project.celery import app
 
         name, queues = self._worker_queues()
         with app.connection() as connection:
             for queue in queues:
-                answer = app.control.add_consumer(
-                    queue, destination=[name], reply=True, timeout=10, connection=connection
+                answer = app.control.broadcast(
+                    command,
+                    arguments={"queue": queue},
+                    destination=[name],
+                    reply=True,
+                    timeout=10,
+                    connection=connection,
                 )
                 assert answer and "ok" in answer[0][name], answer
-        self.paused = False
 
     def wait_until_the_worker_is_idle(self, timeout: float) -> None:
         """Until the model worker (if it runs) has no message waiting in its
