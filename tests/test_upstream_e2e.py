@@ -13,7 +13,6 @@ the server comes last: it starts it again, which takes vLLM a minute or two.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 
@@ -33,6 +32,7 @@ from tasks_app.models import DailyUsage, Task, UsageRecord
 from .conftest import LONG_STORY, deltas_text, output_text, parse_sse, user_message
 from .stack import Stack
 from .test_governance_e2e import owner_named
+from .test_streams_e2e import Follower
 from .test_tools_e2e import CASES, WEATHER, assert_call
 
 pytestmark = pytest.mark.e2e
@@ -202,27 +202,24 @@ def test_a_dropped_direct_stream_aborts_the_upstream_request(upstream_stack, tok
         time.sleep(0.2)
 
 
+def followed_mid_answer(http, stack: Stack, max_output_tokens: int) -> tuple[dict, Follower]:  # noqa: ANN001
+    """A task telling a long story, and a follower of its events that has
+    seen its first 20 (the answer is well under way)."""
+    request = body(LONG_STORY, max_output_tokens=max_output_tokens)
+    task = http.post("/lmsp/v1/tasks", json={"type": "response", "request": request}).json()
+    token = http.headers["Authorization"].split()[1]
+    follower = Follower(stack, token, f"/lmsp/v1/tasks/{task['id']}/events", timeout=600)
+    follower.wait_for(20, timeout=120)
+    return task, follower
+
+
 def test_a_killed_worker_hands_on_exactly_where_it_was(http, upstream_stack, vllm, tokenizer):  # noqa: ANN001
     """kill -9 mid-generation: the next worker sends the prompt and the tokens
     so far; the follower gets vLLM's uninterrupted greedy answer, token for token."""
-    request = body(LONG_STORY, max_output_tokens=160)
-    task = http.post("/lmsp/v1/tasks", json={"type": "response", "request": request}).json()
-    events: list[dict] = []
-
-    def follow() -> None:
-        with upstream_stack.client(http.headers["Authorization"].split()[1]) as client:
-            raw = client.get(f"/lmsp/v1/tasks/{task['id']}/events", timeout=300).text
-        events.extend(parse_sse(raw))
-
-    follower = threading.Thread(target=follow)
-    follower.start()
-    deadline = time.monotonic() + 120
-    while Task.objects.get(id=task["id"]).last_event_id < 20:
-        assert time.monotonic() < deadline, "no tokens came"
-        time.sleep(0.05)
+    task, follower = followed_mid_answer(http, upstream_stack, max_output_tokens=160)
     upstream_stack.worker.kill()
     upstream_stack.worker.start()
-    follower.join(300)
+    events = follower.finish(300)
     assert events[-1]["event"] == "response.incomplete"
     assert Task.objects.get(id=task["id"]).attempt >= 2
     alone = vllm_alone(vllm, tokenizer, events[0]["data"]["response_id"])
@@ -350,21 +347,7 @@ def test_the_server_stopped_mid_answer_is_waited_for(http, upstream_stack, vllm,
     """kill -9 of vLLM mid-generation, started again 20 s later: the task waits
     queued saying why, then completes; its follower gets vLLM's uninterrupted
     greedy answer, ids contiguous, nothing lost or repeated."""
-    request = body(LONG_STORY, max_output_tokens=400)
-    task = http.post("/lmsp/v1/tasks", json={"type": "response", "request": request}).json()
-    events: list[dict] = []
-
-    def follow() -> None:
-        with upstream_stack.client(http.headers["Authorization"].split()[1]) as client:
-            raw = client.get(f"/lmsp/v1/tasks/{task['id']}/events", timeout=600).text
-        events.extend(parse_sse(raw))
-
-    follower = threading.Thread(target=follow)
-    follower.start()
-    deadline = time.monotonic() + 120
-    while Task.objects.get(id=task["id"]).last_event_id < 20:
-        assert time.monotonic() < deadline, "no tokens came"
-        time.sleep(0.05)
+    task, follower = followed_mid_answer(http, upstream_stack, max_output_tokens=400)
     vllm.kill()
     deadline = time.monotonic() + 60
     while not (waiting := http.get(f"/lmsp/v1/tasks/{task['id']}").json())["waiting_reason"]:
@@ -379,8 +362,7 @@ def test_the_server_stopped_mid_answer_is_waited_for(http, upstream_stack, vllm,
     assert ready.status_code == 200 and f"upstream {MODEL} unreachable since " in ready.text
     vllm.start()
     vllm.wait()
-    follower.join(600)
-    assert not follower.is_alive()
+    events = follower.finish(600)
     assert [e["id"] for e in events] == list(range(1, len(events) + 1))
     assert events[-1]["event"] in ("response.completed", "response.incomplete"), events[-1]
     final = http.get(f"/lmsp/v1/tasks/{task['id']}").json()
