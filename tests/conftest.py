@@ -18,11 +18,14 @@ from lmsp_project.celery import app as celery_app
 from lmsp_project.devstack import free_port, start_redis
 from lmsp_project.vllm import VllmServer, preload, vllm_python
 
+from .fresh_clone import ServedClone
 from .stack import LOGS, STACK_SETTINGS, Stack, start_together
 
-# vLLM's server for the upstream tests, started as soon as the tests that need
-# it are collected: its start (about 100 s) overlaps the tests before them.
+# Begun as soon as the tests that need them are collected, so that their
+# starts (minutes) overlap the tests before them: vLLM's server for the
+# upstream tests, and a fresh clone served as the README says.
 _vllm: VllmServer | None = None
+_fresh_clone: ServedClone | None = None
 
 ALL_SCOPES = list(SCOPES)
 
@@ -239,48 +242,66 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.e2e)
         if "lm" in needs:
             item.add_marker(pytest.mark.model)
-    items.sort(key=_while_vllm_starts)
+    items.sort(key=_while_slow_starts)
 
 
-def _while_vllm_starts(item: pytest.Item) -> int:
-    """The order of a run: vLLM's server starts in the background at
-    collection (``pytest_collection_finish``) and takes both cores of a small
-    machine for a minute or two, so the tests that need neither the model nor
-    the stack go first (nothing they assert depends on the time), then vLLM's
-    own, then every other, none of them beside its start (the sort is stable:
-    each part keeps the files' order)."""
+def _while_slow_starts(item: pytest.Item) -> int:
+    """The order of a run: vLLM's server and the fresh clone start in the
+    background at collection (``pytest_collection_finish``) and take both
+    cores of a small machine for a minute or two, so the tests that need
+    neither the model nor the stack go first (nothing they assert depends on
+    the time), then the fresh clone's (its processes are gone after them),
+    then vLLM's own, then every other, none of them beside a start (the sort
+    is stable: each part keeps the files' order)."""
     if not item.get_closest_marker("e2e") and not item.get_closest_marker("model"):
         return 0
-    return 1 if _uses_vllm(item) else 2
+    if _uses(item, "fresh_clone"):
+        return 1
+    return 2 if _uses(item, "vllm") else 3
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start vLLM's server in the background when a selected test needs it."""
-    global _vllm
-    if any(_uses_vllm(item) for item in session.items):
+    """Begin vLLM's server and the fresh clone when a selected test needs them."""
+    global _vllm, _fresh_clone
+    if any(_uses(item, "vllm") for item in session.items):
         python = vllm_python()
         preloaded = preload(python) if python is not None else None
         assert python is not None and preloaded is not None, "vLLM's CPU build is needed"
         _vllm = VllmServer(python, preloaded, free_port(), LOGS / "vllm.log", eager=True)
         _vllm.start()
+    if any(_uses(item, "fresh_clone") for item in session.items):
+        _fresh_clone = ServedClone.begin()
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """vLLM's server stops once the last test using it is torn down: idle,
     its engine process still takes a share of a core from every later test.
-    (Those tests run one after the other: ``_while_vllm_starts``.)"""
-    if _vllm is not None and _uses_vllm(item) and (nextitem is None or not _uses_vllm(nextitem)):
+    (Those tests run one after the other: ``_while_slow_starts``.)"""
+    last = nextitem is None or not _uses(nextitem, "vllm")
+    if _vllm is not None and _uses(item, "vllm") and last:
         _vllm.stop()
 
 
-def _uses_vllm(item: pytest.Item) -> bool:
-    return "vllm" in getattr(item, "fixturenames", ())
+def _uses(item: pytest.Item, fixture: str) -> bool:
+    return fixture in getattr(item, "fixturenames", ())
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if _vllm is not None:
         _vllm.stop()
+    if _fresh_clone is not None:
+        _fresh_clone.end()
+
+
+@pytest.fixture(scope="module")
+def fresh_clone() -> Iterator[ServedClone]:
+    """A fresh clone served by ``scripts/serve`` (begun at collection), ready;
+    nothing of it is left running after the module."""
+    assert _fresh_clone is not None
+    _fresh_clone.wait_until_served()
+    yield _fresh_clone
+    _fresh_clone.end()
 
 
 @pytest.fixture(scope="session")

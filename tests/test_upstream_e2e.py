@@ -347,7 +347,7 @@ def test_the_server_stopped_mid_answer_is_waited_for(http, upstream_stack, vllm,
     """kill -9 of vLLM mid-generation, started again 20 s later: the task waits
     queued saying why, then completes; its follower gets vLLM's uninterrupted
     greedy answer, ids contiguous, nothing lost or repeated."""
-    task, follower = followed_mid_answer(http, upstream_stack, max_output_tokens=400)
+    task, follower = followed_mid_answer(http, upstream_stack, max_output_tokens=200)
     vllm.kill()
     deadline = time.monotonic() + 60
     while not (waiting := http.get(f"/lmsp/v1/tasks/{task['id']}").json())["waiting_reason"]:
