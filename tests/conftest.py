@@ -60,10 +60,11 @@ def broker(stack_settings: int):  # noqa: ANN201
     ``LMSP_QUEUE_PREFIX``) starts empty. The stack's ops
     worker is stopped meanwhile: its sweeper, every second, would race the
     test's own sweeps for the same aged tasks and hand them to the stack's
-    model worker (seen once: the task a test meant to run was run there)."""
-    paused = Stack.running.ops if Stack.running is not None else None
-    if paused is not None:
-        paused.stop()
+    model worker (seen once: the task a test meant to run was run there).
+    It starts again before the next test that does not use this fixture
+    (``ops_worker_running``)."""
+    if Stack.running is not None:
+        Stack.running.ops.stop()
     client = redis.Redis(port=stack_settings, socket_connect_timeout=1)
     started = None
     try:
@@ -77,8 +78,18 @@ def broker(stack_settings: int):  # noqa: ANN201
     if started is not None:
         started.kill()
         started.wait(10)
-    if paused is not None:
-        paused.start()
+
+
+@pytest.fixture(autouse=True)
+def ops_worker_running(request: pytest.FixtureRequest) -> None:
+    """The stack's ops worker running again for a test that does not use
+    ``broker``, when the one before did. Not at that test's teardown: it
+    comes before the database is emptied, and the first sweep of an ops
+    worker started then takes its locks in the opposite order to the
+    TRUNCATE's (a deadlock, seen once); nor between two tests that both stop it."""
+    stack = Stack.running
+    if stack is not None and not stack.ops.running and "broker" not in request.fixturenames:
+        stack.ops.start()
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +110,7 @@ def restart_after(stack: Stack) -> Iterator[None]:
 def run_again(stack: Stack) -> None:
     """Each of the stack's processes that a test stopped started again, and
     its model worker taking jobs again if the test paused it."""
-    start_together(
-        proc
-        for proc in (stack.web, stack.worker, stack.ops)
-        if proc.process is None or proc.process.poll() is not None
-    )
+    start_together(proc for proc in (stack.web, stack.worker, stack.ops) if not proc.running)
     if stack.paused:  # (a worker started again since consumes already: no harm)
         stack.resume_worker()
 

@@ -62,6 +62,10 @@ class Proc:
         self.log_path = LOGS / f"{name}.log"
         self.starts = 0
 
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
     def start(self, timeout: float = 120) -> None:
         start_together([self], timeout)
 
