@@ -1,4 +1,5 @@
-"""An engine behind another server: vLLM's OpenAI-compatible completions API.
+"""An engine behind another server: an OpenAI-compatible completions API,
+vLLM's token for token, any other's text for text.
 
 Why: a site with a GPU host runs vLLM there, and lmsp keeps what vLLM does
 not have in front of it (durable tasks, numbered events, resume, budgets).
@@ -19,6 +20,20 @@ as lmsp does); the usage chunk (``stream_options.include_usage``) brings the
 prompt tokens vLLM took from its prefix cache when it runs with
 ``--enable-prompt-tokens-details``.
 
+Another OpenAI-compatible server (SGLang, TGI, llama.cpp's, Ollama's) is
+asked in text: the engine is given the model's tokenizer (``TextCodec``),
+the prompt and the tokens so far go as their text, and the text that comes
+back is cut into token ids here, each given out once the text after it can
+no longer change it (``_TextTokens``), so that the ids given out spell a
+prefix of the server's answer: a continuation goes on from exactly that
+text, though the server may tokenize it otherwise than it generated it, and
+so answer otherwise than without the interruption. Such a server gets no
+grammar (a constrained request is refused at submit) and no ``cache_salt``;
+it may share its prefix cache between owners, so the prompt tokens it
+reports cached are withheld from a request whose owner is kept apart
+(``EngineRequest.cache_salt`` set): they would tell one owner how much of
+its prompt another has sent.
+
 ``abort`` closes the request's connection: vLLM aborts a request whose
 client went away. A request the server cannot take now (refused connection,
 timeout, a 5xx or 429) ends ``UNAVAILABLE`` with the reason in ``error``, for
@@ -38,9 +53,9 @@ import itertools
 import json
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -64,6 +79,75 @@ class UpstreamServer:
     max_concurrency: int = 8
     connect_timeout: float = 5.0
     read_timeout: float = 120.0
+
+
+class TextCodec(Protocol):
+    """The model's tokenizer, for a server asked in text: ``encode`` adds no
+    special token, ``decode`` keeps them (a rendered prompt holds some)."""
+
+    @property
+    def eos_token_id(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class _TextTokens:
+    """Token ids for an answer that arrives as pieces of text.
+
+    A tokenizer cuts text into words before it merges their characters into
+    tokens, so the text before the last run of whitespace encodes the same
+    whatever follows: that is given out, the rest waits for the next piece (in
+    a script without spaces, every token but the last, once the text is long).
+    Only ids that spell a prefix of the text are given out; the remainder
+    comes at the end (as the tokenizer encodes it, where it does not spell it
+    back exactly). The model may have generated the text in other tokens than
+    the tokenizer gives it, so the server's count of them may be lower: past
+    ``max_tokens`` as counted here, nothing more is given out (``full``)."""
+
+    LONGEST_WORD = 64  # characters without whitespace before tokens are given out anyway
+
+    def __init__(self, codec: TextCodec, max_tokens: int) -> None:
+        self.codec, self.max_tokens = codec, max_tokens
+        self.pending = ""  # the answer's text after the ids given out
+        self.given = 0
+        self.full = False
+
+    def take(self, piece: str, finish: FinishReason | None) -> tuple[int, ...]:
+        """The ids to give out for the next ``piece`` (the last one when
+        ``finish`` says why the server ended)."""
+        if self.full:
+            return ()
+        ids = self._add(piece)
+        if finish is not None:
+            ids += tuple(self.codec.encode(self.pending))
+            self.pending = ""
+            if finish is FinishReason.EOS:
+                ids += (self.codec.eos_token_id,)
+        room = self.max_tokens - self.given
+        if len(ids) > room or (len(ids) == room and finish is None):
+            ids, self.full = ids[:room], True
+        self.given += len(ids)
+        return ids
+
+    def _add(self, piece: str) -> tuple[int, ...]:
+        self.pending += piece
+        cut = max(map(self.pending.rfind, " \n\t"))
+        while cut > 0 and self.pending[cut - 1].isspace():
+            cut -= 1  # a run of whitespace is tokenized with what follows it
+        if cut > 0:
+            return self._give(self.codec.encode(self.pending[:cut]))
+        if len(self.pending) > self.LONGEST_WORD:
+            return self._give(self.codec.encode(self.pending)[:-1])
+        return ()
+
+    def _give(self, ids: list[int]) -> tuple[int, ...]:
+        spelled = self.codec.decode(ids) if ids else ""
+        if not spelled or not self.pending.startswith(spelled):
+            return ()  # not spelled back: given out at the end
+        self.pending = self.pending[len(spelled) :]
+        return tuple(ids)
 
 
 class Unavailable(Exception):
@@ -91,8 +175,11 @@ class _Stream:
 class UpstreamEngine:
     """``EngineClient`` for one model on one server (see the module's docstring)."""
 
-    def __init__(self, server: UpstreamServer) -> None:
+    def __init__(self, server: UpstreamServer, text: TextCodec | None = None) -> None:
+        """``text``: the model's tokenizer, for a server asked in text rather
+        than token ids (any but vLLM)."""
         self.server = server
+        self.text = text
         headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
         self._client = httpx.Client(
             base_url=server.base_url,
@@ -112,6 +199,8 @@ class UpstreamEngine:
     def submit(self, request: EngineRequest) -> _Stream:
         if not request.prompt_token_ids:
             raise ValueError("A generation needs at least one prompt token.")
+        if request.constraint is not None and self.text is not None:
+            raise ValueError("This server is asked in text: it cannot follow a grammar.")
         stream = _Stream(request.request_id)
         with self._lock:
             if self._closed:
@@ -201,18 +290,21 @@ class UpstreamEngine:
     def _body(self, request: EngineRequest) -> dict[str, Any]:
         sampling = request.sampling
         replayed = _replayed(request)
+        prompt = request.prompt_token_ids[: len(request.prompt_token_ids) - replayed]
         body: dict[str, Any] = {
             "model": self.server.model,
-            "prompt": list(request.prompt_token_ids[: len(request.prompt_token_ids) - replayed]),
+            "prompt": list(prompt) if self.text is None else self.text.decode(prompt),
             "max_tokens": sampling.max_tokens + replayed,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "return_token_ids": True,
         }
         if sampling.seed is not None:
             body["seed"] = sampling.seed
+        if self.text is not None:
+            return body  # vLLM's own fields below: another server may refuse them
+        body["return_token_ids"] = True
         if request.cache_salt:
             body["cache_salt"] = request.cache_salt
         if request.constraint is not None:
@@ -226,6 +318,7 @@ class UpstreamEngine:
         # its first tokens must be the ones generated so far, and are dropped.
         expected = request.prompt_token_ids[len(request.prompt_token_ids) - _replayed(request) :]
         replayed: tuple[int, ...] = ()
+        text = None if self.text is None else _TextTokens(self.text, request.sampling.max_tokens)
         with self._client.stream("POST", "/completions", json=self._body(request)) as response:
             with stream.lock:
                 stream.response = response
@@ -245,7 +338,13 @@ class UpstreamEngine:
                 usage = chunk.get("usage") or {}
                 cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                 for choice in chunk.get("choices", []):
-                    ids = tuple(choice.get("token_ids") or ())
+                    reason = choice.get("finish_reason")
+                    if reason and reason not in FINISH_REASONS:
+                        raise Unavailable(f"the server ended the request ({reason})")
+                    if text is not None:
+                        ids = text.take(choice.get("text") or "", FINISH_REASONS.get(reason))
+                    else:
+                        ids = tuple(choice.get("token_ids") or ())
                     if len(replayed) < len(expected):
                         taken = len(expected) - len(replayed)
                         replayed, ids = replayed + ids[:taken], ids[taken:]
@@ -256,15 +355,16 @@ class UpstreamEngine:
                             )
                     if ids and not stream.aborted.is_set():
                         stream.queue.put(EngineOutput(request.request_id, ids))
-                    reason = choice.get("finish_reason")
-                    if reason and reason not in FINISH_REASONS:
-                        raise Unavailable(f"the server ended the request ({reason})")
                     if reason:
                         finish = FINISH_REASONS[reason]
         if stream.aborted.is_set():
             return FinishReason.CANCELLED, cached
         if finish is None:  # the answer stopped short: the server went away
             raise Unavailable("the server ended its answer before it finished")
+        if text is not None and text.full:
+            finish = FinishReason.LENGTH  # as counted here, before the server's count
+        if text is not None and request.cache_salt:
+            cached = 0  # its cache may be another owner's (the module's docstring)
         return finish, cached
 
 

@@ -24,8 +24,12 @@ LINEAR_KERNELS = frozenset({"auto", "packed", "torch"})
 # Servers a model may be served by instead of a worker's own engine
 # (``[models.upstream]``): "vllm" takes token ids in and gives them back, so a
 # resumed generation continues token for token, and constrains output with
-# xgrammar's structural tags (engine.upstream).
-UPSTREAM_ENGINES = frozenset({"vllm"})
+# xgrammar's structural tags; "openai", any other OpenAI-compatible
+# completions server, is asked in text, continues text for text and
+# constrains nothing, so its models may not offer tools or structured output
+# (engine.upstream).
+UPSTREAM_ENGINES = frozenset({"vllm", "openai"})
+TEXT_ENGINES = frozenset({"openai"})  # asked in text: no grammar, no salt
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
@@ -239,7 +243,16 @@ def _bad_upstream(spec: ModelSpec) -> list[tuple[bool, str]]:
     if upstream is None:
         return []
     return [
-        (upstream.engine in UPSTREAM_ENGINES, f"upstream engine {upstream.engine!r} (vllm)"),
+        (
+            upstream.engine in UPSTREAM_ENGINES,
+            f"upstream engine {upstream.engine!r} (vllm or openai)",
+        ),
+        (
+            upstream.engine not in TEXT_ENGINES
+            or not {"tools", "structured_output"} & set(spec.capabilities),
+            f"capabilities tools and structured_output with upstream engine "
+            f"{upstream.engine!r}, which cannot constrain output (vllm can)",
+        ),
         (
             min(
                 upstream.connect_timeout_seconds,

@@ -144,10 +144,17 @@ def test_an_upstream_entry_sets_how_long_its_tasks_wait_for_it():
     assert (spec.upstream.unavailable_timeout_seconds, spec.upstream.retry_seconds) == (90, 2.5)
 
 
+def test_a_server_asked_in_text_serves_a_model_without_tools_or_structured_output():
+    entry = UPSTREAM_ENTRY.replace('capabilities = ["tools"]', 'capabilities = ["conversations"]')
+    [spec] = parse_registry(entry + 'engine = "openai"\n').values()
+    assert spec.upstream is not None and spec.upstream.engine == "openai"
+
+
 @pytest.mark.parametrize(
     ("extra", "refused"),
     [
         ('engine = "tgi"\n', "upstream engine 'tgi'"),
+        ('engine = "openai"\n', "'openai', which cannot constrain output"),
         ('api_key = "secret"\n', "unknown upstream settings ['api_key']"),
         ("read_timeout_seconds = 0\n", "timeouts must be positive"),
         ("unavailable_timeout_seconds = -1\n", "timeouts must be positive"),

@@ -6,7 +6,8 @@ served by that server; its worker loads no weights. Answers are compared
 with what vLLM gives for the same token ids asked directly: greedy, so they
 must be equal token for token. Two more entries point at the same server
 wrongly (a served name it does not have, a context window wider than its
-``--max-model-len``), for the refusals a 4xx brings. The test that stops
+``--max-model-len``), for the refusals a 4xx brings, and one asks it in
+text, as lmsp asks any other OpenAI-compatible server. The test that stops
 the server comes last: it starts it again, which takes vLLM a minute or two.
 """
 
@@ -40,12 +41,16 @@ pytestmark = pytest.mark.e2e
 MODEL = "smollm2:135m-vllm"
 MISSING = "smollm2:135m-missing"  # its served name is not vLLM's
 TOO_WIDE = "smollm2:135m-too-wide"  # says twice vLLM's context window
+TEXT = "smollm2:135m-text"  # the same server asked in text, as any OpenAI-compatible one
 FINAL = {"completed", "incomplete", "failed", "cancelled"}
+CONSTRAINED = '["tools", "structured_output", "conversations"]'
 
 
 def models_file(base_url: str) -> str:
-    entries = [(MODEL, SERVED_MODEL, 8192), (MISSING, "no-such-model", 8192),
-               (TOO_WIDE, SERVED_MODEL, 16384)]  # fmt: skip
+    entries = [(MODEL, SERVED_MODEL, 8192, "vllm", CONSTRAINED),
+               (MISSING, "no-such-model", 8192, "vllm", CONSTRAINED),
+               (TOO_WIDE, SERVED_MODEL, 16384, "vllm", CONSTRAINED),
+               (TEXT, SERVED_MODEL, 8192, "openai", '["conversations"]')]  # fmt: skip
     return "".join(
         f"""
 [[models]]
@@ -54,14 +59,15 @@ source = "folder"
 path = "{settings.LMSP_MODEL_CACHE / "smollm2-135m"}"
 context_window = {window}
 max_output_tokens = 4096
-capabilities = ["tools", "structured_output", "conversations"]
+capabilities = {capabilities}
 
 [models.upstream]
 base_url = "{base_url}/v1"
 model = "{served}"
+engine = "{engine}"
 retry_seconds = 2
 """
-        for model, served, window in entries
+        for model, served, window, engine, capabilities in entries
     )
 
 
@@ -92,11 +98,16 @@ def body(text: str, model: str = MODEL, **extra: object) -> dict:
             "temperature": 0, "store": True, **extra}  # fmt: skip
 
 
-def vllm_alone(vllm: VllmServer, tokenizer, response_id: str) -> dict:  # noqa: ANN001
+def prompt_ids(vllm: VllmServer, tokenizer, response: Response, model: str) -> list[int]:  # noqa: ANN001
+    """The token ids of a stored response's prompt, as lmsp renders it."""
+    registry = parse_registry(models_file(vllm.base_url))
+    return tokenizer(prompt_of(response, registry[model]), add_special_tokens=False)["input_ids"]
+
+
+def vllm_alone(vllm: VllmServer, tokenizer, response_id: str, model: str = MODEL) -> dict:  # noqa: ANN001
     """vLLM's own greedy answer to a stored response's prompt, as token ids."""
     response = Response.objects.get(id=response_id)
-    registry = parse_registry(models_file(vllm.base_url))
-    ids = tokenizer(prompt_of(response, registry[MODEL]), add_special_tokens=False)["input_ids"]
+    ids = prompt_ids(vllm, tokenizer, response, model)
     answer = httpx.post(
         f"{vllm.base_url}/v1/completions",
         json={"model": SERVED_MODEL, "prompt": ids, "temperature": 0, "return_token_ids": True,
@@ -202,10 +213,15 @@ def test_a_dropped_direct_stream_aborts_the_upstream_request(upstream_stack, tok
         time.sleep(0.2)
 
 
-def followed_mid_answer(http, stack: Stack, max_output_tokens: int) -> tuple[dict, Follower]:  # noqa: ANN001
+def followed_mid_answer(
+    http,  # noqa: ANN001
+    stack: Stack,
+    max_output_tokens: int,
+    model: str = MODEL,
+) -> tuple[dict, Follower]:
     """A task telling a long story, and a follower of its events that has
     seen its first 20 (the answer is well under way)."""
-    request = body(LONG_STORY, max_output_tokens=max_output_tokens)
+    request = body(LONG_STORY, model=model, max_output_tokens=max_output_tokens)
     task = http.post("/lmsp/v1/tasks", json={"type": "response", "request": request}).json()
     token = http.headers["Authorization"].split()[1]
     follower = Follower(stack, token, f"/lmsp/v1/tasks/{task['id']}/events", timeout=600)
@@ -319,6 +335,79 @@ def test_a_prompt_over_the_servers_context_fails_clearly(http):  # noqa: ANN001
     assert "maximum context length is 8192" in problem["detail"], problem
     row = Task.objects.get(model=TOO_WIDE)
     assert (row.status, row.attempt, row.handed_back) == ("failed", 1, 0)
+
+
+def test_a_server_asked_in_text_answers_as_asked_in_ids_and_keeps_owners_apart(
+    http,  # noqa: ANN001
+    vllm,  # noqa: ANN001
+    tokenizer,  # noqa: ANN001
+    upstream_stack,  # noqa: ANN001
+):
+    """The same greedy answer as vLLM's from token ids, counted as lmsp's
+    tokenizer counts its text (the model may generate a text in other tokens
+    than the tokenizer's: here, the tokenizer encodes the text of vLLM's
+    first 24 tokens in 25); and the prompt tokens the
+    server's shared prefix cache held are not shown to a second owner
+    sending the same prompt (the server is given no salt)."""
+    request = body("Name the four seasons of the year.", model=TEXT, max_output_tokens=300)
+    answer = http.post("/lmsp/v1/responses", json=request)
+    assert answer.status_code == 200, answer.text
+    response = answer.json()
+    alone = vllm_alone(vllm, tokenizer, response["id"], model=TEXT)
+    assert alone["token_ids"][-1] == tokenizer.eos_token_id  # it ended by itself
+    assert response["status"] == "completed"
+    assert output_text(response) == alone["text"]
+    counted = len(tokenizer(alone["text"], add_special_tokens=False)["input_ids"]) + 1
+    assert response["usage"]["output_tokens"] == counted
+    # A prompt of several of vLLM's cache blocks (128 tokens each on a CPU).
+    memo = " ".join(f"Note {n}: the keeper counted {n} ships at dawn." for n in range(40))
+    first = http.post("/lmsp/v1/responses", json=body(memo, TEXT, max_output_tokens=4))
+    assert first.status_code == 200, first.text
+    _, other = owner_named("text-neighbour")
+    with upstream_stack.client(other) as client:
+        again = client.post("/lmsp/v1/responses", json=body(memo, TEXT, max_output_tokens=4))
+    assert again.status_code == 200, again.text
+    assert output_text(again.json()) == output_text(first.json())
+    # vLLM held the prompt (asked directly, it says so); the neighbour is not told.
+    prompt = prompt_ids(vllm, tokenizer, Response.objects.get(id=first.json()["id"]), TEXT)
+    direct = httpx.post(
+        f"{vllm.base_url}/v1/completions",
+        json={"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 1},
+        timeout=60,
+    ).json()
+    assert direct["usage"]["prompt_tokens_details"]["cached_tokens"] >= 128, direct["usage"]
+    assert again.json()["usage"]["input_tokens_details"]["cached_tokens"] == 0
+
+
+def test_a_server_asked_in_text_is_given_no_request_it_cannot_constrain(http):  # noqa: ANN001
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    json_schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    for extra, param in (
+        ({"tools": [WEATHER], "tool_choice": "required"}, "tools"),
+        ({"response_format": json_schema}, "response_format"),
+    ):
+        refused = http.post("/lmsp/v1/responses", json=body("Weather in Oslo?", TEXT, **extra))
+        assert refused.status_code == 400, refused.text
+        problem = refused.json()
+        assert (problem["code"], problem["param"]) == ("unsupported_capability", param)
+
+
+def test_a_killed_worker_goes_on_from_the_text_so_far(http, upstream_stack):  # noqa: ANN001
+    """kill -9 mid-generation with a server asked in text: the next attempt
+    sends the text so far; the follower's events are contiguous and what it
+    saw before the kill is where the whole answer begins."""
+    task, follower = followed_mid_answer(http, upstream_stack, max_output_tokens=160, model=TEXT)
+    upstream_stack.worker.kill()
+    before = deltas_text(list(follower.events))
+    upstream_stack.worker.start()
+    events = follower.finish(300)
+    assert [e["id"] for e in events] == list(range(1, len(events) + 1))
+    assert events[-1]["event"] in ("response.completed", "response.incomplete"), events[-1]
+    assert Task.objects.get(id=task["id"]).attempt >= 2
+    text = deltas_text(events)
+    assert text.startswith(before) and len(text) > len(before)
+    assert text == output_text(ended(http, task["id"])["result"])
+    assert events[-1]["data"]["usage"]["output_tokens"] <= 160
 
 
 def test_readyz_and_metrics_report_each_upstream(upstream_stack, http):  # noqa: ANN001

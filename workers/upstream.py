@@ -28,7 +28,7 @@ from django.conf import settings
 
 from engine.interface import Constraint, EngineRequest, SamplingParams
 from engine.upstream import UpstreamEngine, UpstreamServer, probe
-from generation.registry import ModelSpec
+from generation.registry import TEXT_ENGINES, ModelSpec
 from generation.schemas import grammar_format, structural_tag
 from generation.weights import weights_folder
 from ops_app import upstream_health
@@ -68,12 +68,35 @@ def load_upstream(spec: ModelSpec) -> UpstreamModel:
     return UpstreamModel(spec, tokenizer, {i for i in eos if i is not None}, int(config.vocab_size))
 
 
+@dataclass(frozen=True)
+class TokenizerText:
+    """``engine.upstream.TextCodec`` over the model's tokenizer, for a server
+    asked in text (``engine = "openai"``)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    eos_token_id: int
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(
+            self.tokenizer.decode(
+                list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+        )
+
+
 @functools.cache
 def upstream_engine(spec: ModelSpec) -> UpstreamEngine:
     """The process's one client for the model's server."""
     upstream = spec.upstream
     assert upstream is not None, f"{spec.id} has no upstream"
     api_key = os.environ.get(upstream.api_key_env, "") if upstream.api_key_env else ""
+    text = None
+    if upstream.engine in TEXT_ENGINES:
+        tokenizer = load_upstream(spec).tokenizer
+        text = TokenizerText(tokenizer, int(tokenizer.eos_token_id))
     return UpstreamEngine(
         UpstreamServer(
             base_url=upstream.base_url,
@@ -82,7 +105,8 @@ def upstream_engine(spec: ModelSpec) -> UpstreamEngine:
             max_concurrency=spec.max_batch,
             connect_timeout=upstream.connect_timeout_seconds,
             read_timeout=upstream.read_timeout_seconds,
-        )
+        ),
+        text,
     )
 
 
