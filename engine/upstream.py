@@ -318,7 +318,8 @@ class UpstreamEngine:
         # its first tokens must be the ones generated so far, and are dropped.
         expected = request.prompt_token_ids[len(request.prompt_token_ids) - _replayed(request) :]
         replayed: tuple[int, ...] = ()
-        text = None if self.text is None else _TextTokens(self.text, request.sampling.max_tokens)
+        # For a server asked in text: its answer cut into token ids.
+        tokens = None if self.text is None else _TextTokens(self.text, request.sampling.max_tokens)
         with self._client.stream("POST", "/completions", json=self._body(request)) as response:
             with stream.lock:
                 stream.response = response
@@ -341,8 +342,8 @@ class UpstreamEngine:
                     reason = choice.get("finish_reason")
                     if reason and reason not in FINISH_REASONS:
                         raise Unavailable(f"the server ended the request ({reason})")
-                    if text is not None:
-                        ids = text.take(choice.get("text") or "", FINISH_REASONS.get(reason))
+                    if tokens is not None:
+                        ids = tokens.take(choice.get("text") or "", FINISH_REASONS.get(reason))
                     else:
                         ids = tuple(choice.get("token_ids") or ())
                     if len(replayed) < len(expected):
@@ -361,9 +362,9 @@ class UpstreamEngine:
             return FinishReason.CANCELLED, cached
         if finish is None:  # the answer stopped short: the server went away
             raise Unavailable("the server ended its answer before it finished")
-        if text is not None and text.full:
+        if tokens is not None and tokens.full:
             finish = FinishReason.LENGTH  # as counted here, before the server's count
-        if text is not None and request.cache_salt:
+        if tokens is not None and request.cache_salt:
             cached = 0  # its cache may be another owner's (the module's docstring)
         return finish, cached
 
