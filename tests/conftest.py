@@ -82,13 +82,15 @@ def broker(stack_settings: int):  # noqa: ANN201
 
 @pytest.fixture(autouse=True)
 def ops_worker_running(request: pytest.FixtureRequest) -> None:
-    """The stack's ops worker running again for a test that does not use
-    ``broker``, when the one before did. Not at that test's teardown: it
-    comes before the database is emptied, and the first sweep of an ops
-    worker started then takes its locks in the opposite order to the
-    TRUNCATE's (a deadlock, seen once); nor between two tests that both stop it."""
+    """The stack's ops worker running again for a test that uses the stack
+    and not ``broker``, when a test before stopped it. Not at that test's
+    teardown: it comes before the database is emptied, and the first sweep of
+    an ops worker started then takes its locks in the opposite order to the
+    TRUNCATE's (a deadlock, seen once); nor for the tests between that need
+    no stack (a start takes seconds)."""
+    names = request.fixturenames
     stack = Stack.running
-    if stack is not None and not stack.ops.running and "broker" not in request.fixturenames:
+    if stack is not None and not stack.ops.running and "stack" in names and "broker" not in names:
         stack.ops.start()
 
 
@@ -258,13 +260,17 @@ def _while_slow_starts(item: pytest.Item) -> int:
     cores of a small machine for a minute or two, so the tests that need
     neither the model nor the stack go first (nothing they assert depends on
     the time), then the fresh clone's (its processes are gone after them),
-    then vLLM's own, then every other, none of them beside a start (the sort
-    is stable: each part keeps the files' order)."""
+    then vLLM's own, then those that use the broker alone (the stack's ops
+    worker stopped once for all of them: ``broker``), then every other, none
+    of them beside a start (the sort is stable: each part keeps the files'
+    order)."""
     if not item.get_closest_marker("e2e") and not item.get_closest_marker("model"):
         return 0
     if _uses(item, "fresh_clone"):
         return 1
-    return 2 if _uses(item, "vllm") else 3
+    if _uses(item, "vllm"):
+        return 2
+    return 3 if _uses(item, "broker") else 4
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # The kernel, the engine (which imports nothing of the service), the
@@ -216,22 +218,35 @@ def test_the_checker_sees_imports_inside_functions_and_relative_ones():
     assert imported_packages(ROOT / "workers" / "serve.py") >= {"generation", "lmsp_core"}
 
 
-def test_the_web_process_does_not_import_the_model_stack():
+WEB_PROCESS = (
+    "import lmsp_project.asgi, lmsp_project.urls\n"
+    "from django.urls import get_resolver\n"
+    "get_resolver().url_patterns\n"
+    "from generation.registry import get_model\n"
+    "from generation.tokens import prompt_tokenizer\n"
+    "tokenizer = prompt_tokenizer(get_model('smollm2:135m'))\n"
+    "tokenizer.count(tokenizer.render([{'role': 'user', 'content': 'Hi'}]))\n"
+)
+# The Celery app as the ops worker loads it: every app's jobs, found.
+OPS_WORKER = (
+    "from lmsp_project.celery import app\n"
+    "app.loader.import_default_modules()\n"
+    "assert 'workers.tasks.run_task' in app.tasks\n"
+)
+
+
+@pytest.mark.parametrize("process", [WEB_PROCESS, OPS_WORKER], ids=["web", "ops"])
+def test_the_web_and_ops_processes_do_not_import_the_model_stack(process):  # noqa: ANN001
     """What the web process serves (the URL configuration, every view and the
     admin) loads without torch, transformers' model code or xgrammar, and so
-    does rendering a prompt and counting its tokens."""
+    does rendering a prompt and counting its tokens; the ops worker, which
+    never generates, starts without them too (seconds of each start)."""
     probe = (
         "import os, sys\n"
         "os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'lmsp_project.settings')\n"
         "import django\n"
         "django.setup()\n"
-        "import lmsp_project.asgi, lmsp_project.urls\n"
-        "from django.urls import get_resolver\n"
-        "get_resolver().url_patterns\n"
-        "from generation.registry import get_model\n"
-        "from generation.tokens import prompt_tokenizer\n"
-        "tokenizer = prompt_tokenizer(get_model('smollm2:135m'))\n"
-        "tokenizer.count(tokenizer.render([{'role': 'user', 'content': 'Hi'}]))\n"
+        f"{process}"
         "heavy = ('torch', 'xgrammar', 'transformers.modeling_utils')\n"
         "print(','.join(m for m in heavy if m in sys.modules) or 'none')\n"
     )

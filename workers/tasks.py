@@ -13,13 +13,16 @@ from django.conf import settings
 from ops_app import recorders
 from tasks_app import heartbeat
 
-from . import runner
-
 log = logging.getLogger(__name__)
 
 
 @shared_task(name="workers.tasks.run_task")
 def run_task(task_id: str, model: str | None = None, preferred: bool = False) -> str | None:
+    # Imported here: the ops worker registers this job too (the app finds
+    # every app's jobs) but never runs it, and the runner brings torch,
+    # transformers and xgrammar (4 s of each of its starts, and their memory).
+    from . import runner
+
     return runner.run_task(task_id, model=model, preferred=preferred)
 
 
