@@ -227,11 +227,15 @@ WEB_PROCESS = (
     "tokenizer = prompt_tokenizer(get_model('smollm2:135m'))\n"
     "tokenizer.count(tokenizer.render([{'role': 'user', 'content': 'Hi'}]))\n"
 )
-# The Celery app as the ops worker loads it: every app's jobs, found.
+# The Celery app as the ops worker loads it (every app's jobs, found), then
+# told it is ready, consuming the ops queue alone as the Procfile has it.
 OPS_WORKER = (
+    "from celery.signals import worker_ready\n"
     "from lmsp_project.celery import app\n"
     "app.loader.import_default_modules()\n"
     "assert 'workers.tasks.run_task' in app.tasks\n"
+    "app.amqp.queues.select(['lmsp.control'])\n"
+    "worker_ready.send(sender=type('Ready', (), {'app': app, 'hostname': 'ops@probe'}))\n"
 )
 
 

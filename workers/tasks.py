@@ -40,30 +40,29 @@ def serve_models(sender: Any, **_: object) -> None:  # celery's WorkController
     Model workers run the threads pool, so this is the process that generates;
     with a prefork pool the weights would be loaded before the fork, which
     CUDA does not survive."""
-    from engine.client import engine_for
     from generation.registry import available_models
-
-    from . import erasure, upstream
-    from .loading import load_model
 
     global _heartbeat
     queues = set(sender.app.amqp.queues.consume_from)
     served = [spec for spec in available_models().values() if spec.queue in queues]
-    if served:
-        erasure.listen()
+    if not served:
+        return  # the ops worker: it loads no model, nor torch
+    from engine.client import engine_for
+
+    from . import erasure, upstream
+    from .loading import load_model
+
+    erasure.listen()
     for spec in served:
         if spec.upstream is not None:  # no weights here: the tokenizer and the client
             upstream.upstream_engine(upstream.load_upstream(spec).spec)
             upstream.watch_health(spec)
         else:
             engine_for(load_model(spec), spec.max_batch)
-    if served:
-        # Beating says the models are loaded: a draining worker hands its
-        # generations over to this one from now on.
-        _heartbeat = heartbeat.Heartbeat(
-            [spec.id for spec in served], sender.hostname, EngineReport()
-        )
-        _heartbeat.start()
+    # Beating says the models are loaded: a draining worker hands its
+    # generations over to this one from now on.
+    _heartbeat = heartbeat.Heartbeat([spec.id for spec in served], sender.hostname, EngineReport())
+    _heartbeat.start()
 
 
 class EngineReport:
