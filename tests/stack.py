@@ -273,17 +273,24 @@ class Stack:
         from lmsp_project.celery import app
 
         name, queues = self._worker_queues()
+        # No answer: the worker is not connected to Redis yet (after a
+        # restart of Redis it reconnects with a back-off). Asked again: a
+        # command it already carried out answers "ok" as well.
+        deadline = time.monotonic() + 60
         with app.connection() as connection:
             for queue in queues:
-                answer = app.control.broadcast(
-                    command,
-                    arguments={"queue": queue},
-                    destination=[name],
-                    reply=True,
-                    timeout=10,
-                    connection=connection,
-                )
-                assert answer and "ok" in answer[0][name], answer
+                while not (
+                    answer := app.control.broadcast(
+                        command,
+                        arguments={"queue": queue},
+                        destination=[name],
+                        reply=True,
+                        timeout=10,
+                        connection=connection,
+                    )
+                ):
+                    assert time.monotonic() < deadline, f"{name} did not answer {command}"
+                assert "ok" in answer[0][name], answer
 
     def wait_until_the_worker_is_idle(self, timeout: float) -> None:
         """Until the model worker (if it runs) has no message waiting in its
