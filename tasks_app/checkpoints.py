@@ -86,7 +86,8 @@ def record_progress_many(flushes: list[Flush]) -> list[Progress]:
     with connection.cursor() as cursor:
         cursor.execute(sql, params + chunks)
         written = {(row[0], row[1]): row[2:] for row in cursor.fetchall()}
-    results = []
+    results: list[Progress] = []
+    announced: dict[str, list[StoredEvent]] = {}
     for flush, flushed_events in zip(flushes, encoded, strict=True):
         found = written.get((flush.task_id, flush.attempt))
         if found is None:
@@ -94,10 +95,13 @@ def record_progress_many(flushes: list[Flush]) -> list[Progress]:
             continue
         last_event_id, cancel_requested = found
         first = last_event_id - len(flushed_events) + 1
-        stored = [StoredEvent(first + i, *event) for i, event in enumerate(flushed_events)]
-        if stored:
-            EventLog.announce(flush.task_id, stored)
+        if flushed_events:
+            announced[flush.task_id] = [
+                StoredEvent(first + i, *event) for i, event in enumerate(flushed_events)
+            ]
         results.append(Progress(owned=True, cancel_requested=cancel_requested))
+    if announced:
+        EventLog.announce(announced)
     return results
 
 

@@ -42,7 +42,7 @@ class EventLog:
         assert transaction.get_connection().in_atomic_block, "EventLog.append needs a transaction"
         stored, rows = EventLog.numbered(task, events)
         Event.objects.bulk_create(rows)
-        EventLog.announce(task.id, stored)
+        EventLog.announce({task.id: stored})
         return stored
 
     @staticmethod
@@ -66,9 +66,10 @@ class EventLog:
         return stored, rows
 
     @staticmethod
-    def announce(task_id: str, stored: list[StoredEvent]) -> None:
-        """Wake the task's readers once the events are committed (at once
-        outside a transaction)."""
-        transaction.on_commit(
-            lambda: notify.publish(task_id, [(e.id, e.event, e.data) for e in stored])
-        )
+    def announce(stored: dict[str, list[StoredEvent]]) -> None:
+        """Wake the readers of these tasks' events (by task id) once they are
+        committed (at once outside a transaction), in one message."""
+        batches = {
+            task_id: [(e.id, e.event, e.data) for e in events] for task_id, events in stored.items()
+        }
+        transaction.on_commit(lambda: notify.publish(batches))

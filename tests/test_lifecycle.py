@@ -16,6 +16,7 @@ from django.utils import timezone
 from generation.output import OutputAssembler
 from generation.params import GenerationParams
 from generation.registry import get_model
+from lmsp_core import protocol
 from lmsp_core.errors import ProblemError
 from lmsp_core.status import Status
 from responses_app.models import Response
@@ -130,8 +131,11 @@ def test_an_announced_cancel_stops_the_run_before_its_next_flush(settings, broke
     assert events_of(task)[-1][1] == "response.cancelled"
 
 
-def test_flushes_of_several_runs_are_written_in_one_go_each_fenced_by_its_attempt():
+def test_flushes_of_several_runs_are_written_in_one_go_each_fenced_by_its_attempt(broker):
+    """One statement, and one message for the web processes: a worker's
+    flush of its batch wakes each of them once."""
     from tasks_app.models import TokenChunk
+    from tasks_app.notify import CHANNEL
 
     tasks = [new_task(max_output_tokens=8) for _ in range(3)]
     claimed = [claims.claim(task.id, f"w{i}") for i, task in enumerate(tasks)]
@@ -148,8 +152,26 @@ def test_flushes_of_several_runs_are_written_in_one_go_each_fenced_by_its_attemp
         )
         for i, c in enumerate(claimed)
     ]
+    client, _ = broker
+    listening = client.pubsub(ignore_subscribe_messages=True)
+    listening.subscribe(CHANNEL)
+    listening.get_message(timeout=1)  # the subscription's confirmation
     results = checkpoints.record_progress_many(flushes)
     assert [r.owned for r in results] == [True, False, True]
+    messages = []
+    while (message := listening.get_message(timeout=0.5)) is not None:
+        messages.append(json.loads(message["data"]))
+    listening.close()
+    delta = "response.output_text.delta"
+    assert messages == [
+        {
+            "tasks": {
+                c.id: [[2, delta, protocol.dumps({"delta": f"row {i}"})]]
+                for i, c in enumerate(claimed)
+                if i != 1
+            }
+        }
+    ]
     for i, c in enumerate(claimed):
         task = Task.objects.get(id=c.id)
         names = [name for _, name, _ in events_of(task)]
