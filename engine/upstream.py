@@ -234,6 +234,25 @@ class UpstreamEngine:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    def probe(self) -> str | None:
+        """None when the server answers ``GET /models`` listing the model,
+        else why not. On this object's connections: a client made for each
+        probe loaded the certificate store again, tens of milliseconds of a
+        core that, beside a CPU engine, its step waited for."""
+        try:
+            answer = self._client.get("/models", timeout=self.server.connect_timeout)
+        except httpx.HTTPError as exc:
+            return _unreachable(exc)
+        if answer.status_code != 200:
+            return f"the server answered {answer.status_code}: {_message(answer)}"
+        try:
+            served = {model.get("id") for model in answer.json().get("data", [])}
+        except (ValueError, AttributeError):
+            return "the server answered /models with something else than a model list"
+        if self.server.model not in served:
+            return f"the server does not serve {self.server.model!r}"
+        return None
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -374,26 +393,6 @@ def _replayed(request: EngineRequest) -> int:
     sent: all of them for a constrained request (vLLM's grammar starts where
     the request's prompt ends, and cannot be given a state), none otherwise."""
     return request.resumed_tokens if request.constraint is not None else 0
-
-
-def probe(server: UpstreamServer) -> str | None:
-    """None when the server answers ``GET /models`` listing the model, else why not."""
-    headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
-    try:
-        answer = httpx.get(
-            f"{server.base_url}/models", headers=headers, timeout=server.connect_timeout
-        )
-    except httpx.HTTPError as exc:
-        return _unreachable(exc)
-    if answer.status_code != 200:
-        return f"the server answered {answer.status_code}: {_message(answer)}"
-    try:
-        served = {model.get("id") for model in answer.json().get("data", [])}
-    except (ValueError, AttributeError):
-        return "the server answered /models with something else than a model list"
-    if server.model not in served:
-        return f"the server does not serve {server.model!r}"
-    return None
 
 
 def _message(response: httpx.Response) -> str:

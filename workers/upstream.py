@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from django.conf import settings
 
 from engine.interface import Constraint, EngineRequest, SamplingParams
-from engine.upstream import UpstreamEngine, UpstreamServer, probe
+from engine.upstream import UpstreamEngine, UpstreamServer
 from generation.registry import TEXT_ENGINES, ModelSpec
 from generation.schemas import grammar_format, structural_tag
 from generation.weights import weights_folder
@@ -114,11 +114,11 @@ def watch_health(spec: ModelSpec) -> threading.Thread:
     """Probe the model's server every ``upstream_health.PROBE_INTERVAL_SECONDS``
     for as long as this worker runs, recording each outcome (``/readyz``,
     ``/metrics`` and the admin read them)."""
-    server = upstream_engine(spec).server
+    client = upstream_engine(spec)
 
     def watch() -> None:
         while True:
-            upstream_health.record(spec.id, probe(server))
+            upstream_health.record(spec.id, client.probe())
             time.sleep(upstream_health.PROBE_INTERVAL_SECONDS)
 
     watcher = threading.Thread(target=watch, name=f"upstream-health-{spec.id}", daemon=True)
