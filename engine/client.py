@@ -45,8 +45,8 @@ from .interface import (
     EngineOutput,
     EngineRequest,
     FinishReason,
+    OutputQueue,
     SamplingParams,
-    queued_outputs,
 )
 from .model_runner import ModelRunner, RowSampling
 from .request import Request, RequestStatus
@@ -122,9 +122,7 @@ class Generation:
         self.finished_at: float | None = None
         self._cancel_requested = False
         self._finished = threading.Event()
-        self._outputs: queue.SimpleQueue[EngineOutput] | None = (
-            queue.SimpleQueue() if streamed else None
-        )
+        self._outputs = OutputQueue() if streamed else None
 
     def cancel(self) -> None:
         """Ask the engine to drop this request; takes effect before its next token.
@@ -145,25 +143,31 @@ class Generation:
         """Block until the request has left the engine; False on timeout."""
         return self._finished.wait(timeout)
 
-    def outputs(self, poll: float) -> Iterator[EngineOutput | None]:
+    def outputs(self, poll: float) -> Iterator[list[EngineOutput]]:
         """Its outputs as they come (for requests submitted without
-        ``on_token``), one per token and a last one that finishes it, and None
-        whenever ``poll`` seconds pass without one, so that the caller can do
-        its own work between tokens."""
+        ``on_token``), one per token and a last one that finishes it, in
+        lists of those that came together, and [] whenever ``poll`` seconds
+        pass without one, so that the caller can do its own work between
+        tokens (``interface.OutputStream``)."""
+        return self._queue().outputs(poll)
+
+    def hold(self, until: float) -> None:
+        self._queue().hold(until)
+
+    def _queue(self) -> OutputQueue:
         if self._outputs is None:
             raise RuntimeError("This request delivers its tokens to its on_token callback.")
-        return queued_outputs(self._outputs, poll)
+        return self._outputs
 
     def stream(self, timeout: float | None = None) -> Iterator[int]:
         """The tokens one by one as they come (only for requests submitted without
         ``on_token``); ends when the request has finished. ``timeout`` bounds the
         wait for each token (``queue.Empty`` past it)."""
-        for output in self.outputs(poll=timeout if timeout is not None else 3600.0):
-            if output is None:
-                if timeout is not None:
-                    raise queue.Empty
-                continue
-            yield from output.new_token_ids
+        for outputs in self.outputs(poll=timeout if timeout is not None else 3600.0):
+            if not outputs and timeout is not None:
+                raise queue.Empty
+            for output in outputs:
+                yield from output.new_token_ids
 
     # --- called on the engine thread -----------------------------------------------
 

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import queue
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -59,7 +58,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from .interface import EngineOutput, EngineRequest, FinishReason, queued_outputs
+from .interface import EngineOutput, EngineRequest, FinishReason, OutputQueue
 
 # Statuses that mean "not now" rather than "never": the request waits and is retried.
 RETRYABLE_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
@@ -163,13 +162,16 @@ class _Stream:
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self.queue: queue.SimpleQueue[EngineOutput] = queue.SimpleQueue()
+        self.queue = OutputQueue()
         self.aborted = threading.Event()
         self.response: httpx.Response | None = None
         self.lock = threading.Lock()
 
-    def outputs(self, poll: float) -> Iterator[EngineOutput | None]:
-        return queued_outputs(self.queue, poll)
+    def outputs(self, poll: float) -> Iterator[list[EngineOutput]]:
+        return self.queue.outputs(poll)
+
+    def hold(self, until: float) -> None:
+        self.queue.hold(until)
 
 
 class UpstreamEngine:

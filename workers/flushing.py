@@ -72,7 +72,11 @@ class FlushGroup:
 
     def due(self, interval: float) -> bool:
         """Whether this worker's runs have not been flushed for ``interval``."""
-        return time.monotonic() - self._last_write >= interval
+        return time.monotonic() >= self.next_due(interval)
+
+    def next_due(self, interval: float) -> float:
+        """When (``time.monotonic()``) this worker's runs are next flushed."""
+        return self._last_write + interval
 
     def write(self, flush: checkpoints.Flush) -> checkpoints.Progress:
         """Write ``flush`` together with the flushes queued beside it; its run's

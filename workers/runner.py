@@ -239,14 +239,13 @@ class GenerationRun:
         )
         last: EngineOutput | None = None
         try:
-            for output in stream.outputs(poll=IDLE_FLUSH_SECONDS):
-                due = flush_group.due(interval)
-                if output is None:
-                    due = True  # no token for IDLE_FLUSH_SECONDS
-                else:
-                    last = output
-                for token_id in output.new_token_ids if output is not None else ():
-                    timer.tick()
+            for outputs in stream.outputs(poll=IDLE_FLUSH_SECONDS):
+                # [] after IDLE_FLUSH_SECONDS without a token: flushed all the same
+                due = flush_group.due(interval) or not outputs
+                tokens = [(t, output.made_at) for output in outputs for t in output.new_token_ids]
+                last = outputs[-1] if outputs else last
+                for token_id, made_at in tokens:
+                    timer.tick(made_at)
                     if not counted:  # in the batch now: its flushes are grouped
                         stack.enter_context(flush_group.decoding())
                         counted = True
@@ -264,6 +263,8 @@ class GenerationRun:
                     self._flush(detok)
                 if self.end.get() is not None or self._past_deadline():
                     return
+                if self.events_flushed:  # the tokens until the next flush wait in the stream
+                    stream.hold(flush_group.next_due(interval))
         finally:
             client.abort(request_id)  # leaves the batch at its next step; no-op once finished
             stack.close()
