@@ -49,16 +49,23 @@ address: they reach the task's owner.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
+import heapq
 import itertools
 import json
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
 from .interface import EngineOutput, EngineRequest, FinishReason, OutputQueue
+
+T = TypeVar("T")
+Ending = tuple[FinishReason, str | None, int]  # why, the error's text, cached prompt tokens
 
 # Statuses that mean "not now" rather than "never": the request waits and is retried.
 RETRYABLE_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
@@ -164,8 +171,7 @@ class _Stream:
         self.request_id = request_id
         self.queue = OutputQueue()
         self.aborted = threading.Event()
-        self.response: httpx.Response | None = None
-        self.lock = threading.Lock()
+        self.task: asyncio.Task[Ending] | None = None  # its request, on the engine's loop
 
     def outputs(self, poll: float) -> Iterator[list[EngineOutput]]:
         return self.queue.outputs(poll)
@@ -175,26 +181,43 @@ class _Stream:
 
 
 class UpstreamEngine:
-    """``EngineClient`` for one model on one server (see the module's docstring)."""
+    """``EngineClient`` for one model on one server (see the module's docstring).
+
+    All its requests run on one thread, an asyncio loop. With a thread per
+    request, 8 streams' readers, woken together by each step of the server,
+    took the interpreter lock from each other several times a token (on a
+    machine whose cores a CPU server holds, each such wake-up delays its
+    step)."""
 
     def __init__(self, server: UpstreamServer, text: TextCodec | None = None) -> None:
         """``text``: the model's tokenizer, for a server asked in text rather
         than token ids (any but vLLM)."""
         self.server = server
         self.text = text
-        headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
-        self._client = httpx.Client(
-            base_url=server.base_url,
-            headers=headers,
-            timeout=httpx.Timeout(server.read_timeout, connect=server.connect_timeout),
-            limits=httpx.Limits(max_connections=server.max_concurrency + 2),
-        )
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(
+            target=self._loop.run_forever, name=f"upstream-{server.model}", daemon=True
+        ).start()
+        self._client = self._on_loop(self._new_client()).result()
         self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()  # guards _streams and _closed
+        # Places: these three are used on the loop's thread only.
         self._in_flight = 0
         self._order = itertools.count()
-        self._waiting: list[tuple[int, int, str]] = []  # (priority, arrival, request id)
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []  # a heap: priority, arrival
         self._closed = False
+
+    def _on_loop(self, work: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(work, self._loop)
+
+    async def _new_client(self) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {self.server.api_key}"} if self.server.api_key else {}
+        return httpx.AsyncClient(
+            base_url=self.server.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(self.server.read_timeout, connect=self.server.connect_timeout),
+            limits=httpx.Limits(max_connections=self.server.max_concurrency + 2),
+        )
 
     # --- EngineClient ------------------------------------------------------------------
 
@@ -208,10 +231,7 @@ class UpstreamEngine:
             if self._closed:
                 raise RuntimeError("The engine is closed.")
             self._streams[request.request_id] = stream
-        threading.Thread(
-            target=self._run, args=(request, stream), name=f"upstream-{request.request_id}",
-            daemon=True,
-        ).start()  # fmt: skip
+        self._loop.call_soon_threadsafe(self._start, request, stream)
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -220,11 +240,9 @@ class UpstreamEngine:
             if stream is None:
                 return
             stream.aborted.set()
-            self._lock.notify_all()  # a waiting request leaves its turn
-        with stream.lock:
-            response = stream.response
-        if response is not None:
-            response.close()  # the server sees its client gone and aborts the request
+        # Cancelling its task closes its connection: the server sees its
+        # client gone and aborts the request.
+        self._loop.call_soon_threadsafe(self._cancel, stream)
 
     # --- health and lifetime -------------------------------------------------------------
 
@@ -234,19 +252,22 @@ class UpstreamEngine:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return sum(not turn.done() for _, _, turn in self._waiting)
 
     def probe(self) -> str | None:
         """None when the server answers ``GET /models`` listing the model,
         else why not. On this object's connections: a client made for each
         probe loaded the certificate store again, tens of milliseconds of a
         core that, beside a CPU engine, its step waited for."""
+        return self._on_loop(self._probe()).result()
+
+    async def _probe(self) -> str | None:
         try:
-            answer = self._client.get("/models", timeout=self.server.connect_timeout)
+            answer = await self._client.get("/models", timeout=self.server.connect_timeout)
         except httpx.HTTPError as exc:
             return _unreachable(exc)
         if answer.status_code != 200:
-            return f"the server answered {answer.status_code}: {_message(answer)}"
+            return f"the server answered {answer.status_code}: {_message(answer.text)}"
         try:
             served = {model.get("id") for model in answer.json().get("data", [])}
         except (ValueError, AttributeError):
@@ -261,20 +282,42 @@ class UpstreamEngine:
             streams = list(self._streams)
         for request_id in streams:
             self.abort(request_id)
-        self._client.close()
+        self._on_loop(self._client.aclose()).result()
 
-    # --- one request, on a thread of its own ------------------------------------------------
+    # --- the requests, on the loop's thread --------------------------------------------------
 
-    def _run(self, request: EngineRequest, stream: _Stream) -> None:
+    def _start(self, request: EngineRequest, stream: _Stream) -> None:
+        stream.task = self._loop.create_task(self._run(request, stream))
+        # Its last record, however it ended: a task cancelled before its
+        # first step never runs a line of its coroutine.
+        stream.task.add_done_callback(functools.partial(self._finished, request, stream))
+
+    def _cancel(self, stream: _Stream) -> None:
+        if stream.task is not None:
+            stream.task.cancel()
+
+    def _finished(
+        self, request: EngineRequest, stream: _Stream, task: asyncio.Task[Ending]
+    ) -> None:
+        finish, error, cached = (
+            (FinishReason.CANCELLED, None, 0) if task.cancelled() else task.result()
+        )
+        if stream.aborted.is_set():
+            finish, error = FinishReason.CANCELLED, None
+        with self._lock:
+            self._streams.pop(request.request_id, None)
+        stream.queue.put(EngineOutput(request.request_id, (), finish, cached, error))
+
+    async def _run(self, request: EngineRequest, stream: _Stream) -> Ending:
+        """How the request ended: why, the error's text, its cached prompt tokens."""
         finish, error, cached = FinishReason.CANCELLED, None, 0
         try:
-            if self._take_turn(request, stream):
+            if await self._take_turn(request, stream):
                 try:
-                    finish, cached = self._generate(request, stream)
+                    finish, cached = await self._generate(request, stream)
                 finally:
-                    with self._lock:
-                        self._in_flight -= 1
-                        self._lock.notify_all()
+                    self._in_flight -= 1
+                    self._admit()
         except Unavailable as exc:
             finish, error = FinishReason.UNAVAILABLE, str(exc)
         except Refused as exc:
@@ -284,29 +327,31 @@ class UpstreamEngine:
                 finish, error = FinishReason.UNAVAILABLE, _unreachable(exc)
         except Exception as exc:  # a malformed answer: this request alone fails
             finish, error = FinishReason.ERROR, f"{exc.__class__.__name__}: {exc}"
-        if stream.aborted.is_set():
-            finish, error = FinishReason.CANCELLED, None
-        with self._lock:
-            self._streams.pop(request.request_id, None)
-        stream.queue.put(EngineOutput(request.request_id, (), finish, cached, error))
+        return finish, error, cached
 
-    def _take_turn(self, request: EngineRequest, stream: _Stream) -> bool:
+    async def _take_turn(self, request: EngineRequest, stream: _Stream) -> bool:
         """Wait for one of ``max_concurrency`` places, lower priority first; False if aborted."""
-        entry = (request.priority, next(self._order), request.request_id)
-        with self._lock:
-            self._waiting.append(entry)
-            try:
-                while not stream.aborted.is_set() and (
-                    self._in_flight >= self.server.max_concurrency or min(self._waiting) != entry
-                ):
-                    self._lock.wait(0.5)
-            finally:
-                self._waiting.remove(entry)
-                self._lock.notify_all()
-            if stream.aborted.is_set():
-                return False
-            self._in_flight += 1
-            return True
+        if stream.aborted.is_set():
+            return False
+        turn: asyncio.Future[None] = self._loop.create_future()
+        heapq.heappush(self._waiting, (request.priority, next(self._order), turn))
+        self._admit()
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():  # given a place as it was aborted
+                self._in_flight -= 1
+                self._admit()
+            raise
+        return True
+
+    def _admit(self) -> None:
+        """Give the free places to the waiting requests, lower priority first."""
+        while self._waiting and self._in_flight < self.server.max_concurrency:
+            _, _, turn = heapq.heappop(self._waiting)
+            if not turn.done():  # not aborted meanwhile
+                self._in_flight += 1
+                turn.set_result(None)
 
     def _body(self, request: EngineRequest) -> dict[str, Any]:
         sampling = request.sampling
@@ -332,7 +377,7 @@ class UpstreamEngine:
             body["structured_outputs"] = {"structural_tag": request.constraint.structural_tag}
         return body
 
-    def _generate(self, request: EngineRequest, stream: _Stream) -> tuple[FinishReason, int]:
+    async def _generate(self, request: EngineRequest, stream: _Stream) -> tuple[FinishReason, int]:
         finish: FinishReason | None = None
         cached = 0
         # A constrained continuation is asked again from the answer's start:
@@ -341,17 +386,14 @@ class UpstreamEngine:
         replayed: tuple[int, ...] = ()
         # For a server asked in text: its answer cut into token ids.
         tokens = None if self.text is None else _TextTokens(self.text, request.sampling.max_tokens)
-        with self._client.stream("POST", "/completions", json=self._body(request)) as response:
-            with stream.lock:
-                stream.response = response
-            if stream.aborted.is_set():
-                return FinishReason.CANCELLED, 0
+        body = self._body(request)
+        async with self._client.stream("POST", "/completions", json=body) as response:
             if response.status_code != 200:
-                message = _message(response)
+                message = _message((await response.aread()).decode(errors="replace"))
                 if response.status_code in RETRYABLE_STATUSES:
                     raise Unavailable(f"the server answered {response.status_code}: {message}")
                 raise Refused(message)
-            for line in response.iter_lines():
+            async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
@@ -397,9 +439,8 @@ def _replayed(request: EngineRequest) -> int:
     return request.resumed_tokens if request.constraint is not None else 0
 
 
-def _message(response: httpx.Response) -> str:
+def _message(text: str) -> str:
     """The server's own message of an error answer (OpenAI's ``error.message``)."""
-    text = response.read().decode(errors="replace")
     try:
         error = json.loads(text).get("error", {})
         return str(error.get("message") or text)[:2000]
