@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,9 +29,22 @@ DATA = Path(os.environ.get("LMSP_DATA_DIR", ROOT / ".data"))
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port free now, below the kernel's range for ports chosen on bind(0).
+
+    A port taken from that range and let go is handed again to the next
+    process that binds port 0, before whatever this one starts on it binds
+    it: seen in CI, vLLM's worker listening on the port chosen for the test
+    stack's Redis, and the tests' Redis client waiting for ever for its PING.
+    """
+    low = 32768  # Linux's default, where the range cannot be read
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(100):
+        port = random.randrange(max(1024, low - 10000), low)
+        with socket.socket() as sock, contextlib.suppress(OSError):
+            sock.bind(("127.0.0.1", port))
+            return port
+    raise RuntimeError(f"no free port below {low}")
 
 
 def redis_server_binary() -> str:

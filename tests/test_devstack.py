@@ -1,0 +1,22 @@
+"""The ports the tests, the benches and the development stack choose for
+their servers (``lmsp_project.devstack.free_port``)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from lmsp_project.devstack import free_port
+
+
+def test_a_free_port_is_outside_the_range_the_kernel_hands_out_on_bind_zero() -> None:
+    """Another process binding port 0 (vLLM's worker, in CI) cannot be given
+    a port chosen here before our server binds it."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        assert low <= other.getsockname()[1] <= high
+    for port in {free_port() for _ in range(20)}:
+        assert 1024 <= port < low
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", port))  # free indeed
