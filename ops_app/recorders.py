@@ -186,9 +186,8 @@ class TokenTimer:
         self.pending: dict[str, dict[str, float]] = {TTFT: {}, INTER_TOKEN: {}, "tokens": {}}
         self._finalizer = weakref.finalize(self, _push, model, self.pending)
 
-    def tick(self, at: float) -> None:
-        """A token made at ``at`` (``time.time()``; a reader may take several at once)."""
-        now = at
+    def tick(self, now: float) -> None:
+        """A token made at ``now`` (``time.time()``: a reader may take several at once)."""
         if self.last is None:
             if self.requested_at is not None:
                 self._observe(TTFT, max(now - self.requested_at, 0.0))
