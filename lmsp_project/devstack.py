@@ -36,15 +36,25 @@ def free_port() -> int:
     it: seen in CI, vLLM's worker listening on the port chosen for the test
     stack's Redis, and the tests' Redis client waiting for ever for its PING.
     """
-    low = 32768  # Linux's default, where the range cannot be read
-    with contextlib.suppress(OSError, ValueError):
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    low = bind_zero_range_start()
+    below = range(max(1024, low - 10000), low)
+    if not below:  # the range starts at the lowest unprivileged port (some tuned hosts)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))  # nothing lies below it: the kernel chooses, race and all
+            return int(sock.getsockname()[1])
     for _ in range(100):
-        port = random.randrange(max(1024, low - 10000), low)
+        port = random.choice(below)
         with socket.socket() as sock, contextlib.suppress(OSError):
             sock.bind(("127.0.0.1", port))
             return port
     raise RuntimeError(f"no free port below {low}")
+
+
+def bind_zero_range_start() -> int:
+    """The first port of the kernel's range for bind(0) (ip_local_port_range)."""
+    with contextlib.suppress(OSError, ValueError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32768  # Linux's default, where the range cannot be read
 
 
 def redis_server_binary() -> str:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import pytest
+
+from lmsp_project import devstack
 from lmsp_project.devstack import free_port
 
 
@@ -20,3 +23,14 @@ def test_a_free_port_is_outside_the_range_the_kernel_hands_out_on_bind_zero() ->
         assert 1024 <= port < low
         with socket.socket() as server:
             server.bind(("127.0.0.1", port))  # free indeed
+
+
+def test_a_host_whose_range_starts_at_1024_still_gets_a_free_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing lies below such a range: the kernel's own choice, not a crash."""
+    monkeypatch.setattr(devstack, "bind_zero_range_start", lambda: 1024)
+    port = free_port()
+    assert port >= 1024
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", port))  # free indeed
