@@ -56,11 +56,11 @@ import heapq
 import itertools
 import json
 import threading
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-import httpx
+import aiohttp
 
 from .interface import EngineOutput, EngineRequest, FinishReason, OutputQueue
 
@@ -187,7 +187,10 @@ class UpstreamEngine:
     request, 8 streams' readers, woken together by each step of the server,
     took the interpreter lock from each other several times a token (on a
     machine whose cores a CPU server holds, each such wake-up delays its
-    step)."""
+    step). Its HTTP client is aiohttp's, whose response parser is compiled:
+    a streamed chunk cost httpx's ``aiter_lines`` 166 us of a core, aiohttp
+    35 us (8 local streams of 256 chunks of vLLM's shape), and every
+    microsecond of it is taken from the server's step beside it."""
 
     def __init__(self, server: UpstreamServer, text: TextCodec | None = None) -> None:
         """``text``: the model's tokenizer, for a server asked in text rather
@@ -198,7 +201,7 @@ class UpstreamEngine:
         threading.Thread(
             target=self._loop.run_forever, name=f"upstream-{server.model}", daemon=True
         ).start()
-        self._client = self._on_loop(self._new_client()).result()
+        self._session = self._on_loop(self._new_session()).result()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams and _closed
         # Places: these three are used on the loop's thread only.
@@ -210,14 +213,21 @@ class UpstreamEngine:
     def _on_loop(self, work: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(work, self._loop)
 
-    async def _new_client(self) -> httpx.AsyncClient:
+    async def _new_session(self) -> aiohttp.ClientSession:
         headers = {"Authorization": f"Bearer {self.server.api_key}"} if self.server.api_key else {}
-        return httpx.AsyncClient(
-            base_url=self.server.base_url,
+        return aiohttp.ClientSession(
             headers=headers,
-            timeout=httpx.Timeout(self.server.read_timeout, connect=self.server.connect_timeout),
-            limits=httpx.Limits(max_connections=self.server.max_concurrency + 2),
+            timeout=aiohttp.ClientTimeout(
+                total=None,
+                sock_connect=self.server.connect_timeout,
+                sock_read=self.server.read_timeout,
+            ),
+            connector=aiohttp.TCPConnector(limit=self.server.max_concurrency + 2),
+            trust_env=True,  # proxies from the environment, as any HTTP client here
         )
+
+    def _url(self, path: str) -> str:
+        return self.server.base_url.rstrip("/") + path
 
     # --- EngineClient ------------------------------------------------------------------
 
@@ -263,13 +273,15 @@ class UpstreamEngine:
 
     async def _probe(self) -> str | None:
         try:
-            answer = await self._client.get("/models", timeout=self.server.connect_timeout)
-        except httpx.HTTPError as exc:
+            timeout = aiohttp.ClientTimeout(total=self.server.connect_timeout)
+            async with self._session.get(self._url("/models"), timeout=timeout) as answer:
+                status, text = answer.status, await answer.text(errors="replace")
+        except (aiohttp.ClientError, TimeoutError) as exc:
             return _unreachable(exc)
-        if answer.status_code != 200:
-            return f"the server answered {answer.status_code}: {_message(answer.text)}"
+        if status != 200:
+            return f"the server answered {status}: {_message(text)}"
         try:
-            served = {model.get("id") for model in answer.json().get("data", [])}
+            served = {model.get("id") for model in json.loads(text).get("data", [])}
         except (ValueError, AttributeError):
             return "the server answered /models with something else than a model list"
         if self.server.model not in served:
@@ -282,7 +294,7 @@ class UpstreamEngine:
             streams = list(self._streams)
         for request_id in streams:
             self.abort(request_id)
-        self._on_loop(self._client.aclose()).result()
+        self._on_loop(self._session.close()).result()
 
     # --- the requests, on the loop's thread --------------------------------------------------
 
@@ -322,7 +334,7 @@ class UpstreamEngine:
             finish, error = FinishReason.UNAVAILABLE, str(exc)
         except Refused as exc:
             finish, error = FinishReason.ERROR, str(exc)
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
             if not stream.aborted.is_set():
                 finish, error = FinishReason.UNAVAILABLE, _unreachable(exc)
         except Exception as exc:  # a malformed answer: this request alone fails
@@ -387,14 +399,14 @@ class UpstreamEngine:
         # For a server asked in text: its answer cut into token ids.
         tokens = None if self.text is None else _TextTokens(self.text, request.sampling.max_tokens)
         body = self._body(request)
-        async with self._client.stream("POST", "/completions", json=body) as response:
-            if response.status_code != 200:
-                message = _message((await response.aread()).decode(errors="replace"))
-                if response.status_code in RETRYABLE_STATUSES:
-                    raise Unavailable(f"the server answered {response.status_code}: {message}")
+        async with self._session.post(self._url("/completions"), json=body) as response:
+            if response.status != 200:
+                message = _message(await response.text(errors="replace"))
+                if response.status in RETRYABLE_STATUSES:
+                    raise Unavailable(f"the server answered {response.status}: {message}")
                 raise Refused(message)
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for line in _lines(response.content):
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:  # an error once streaming has begun
@@ -432,6 +444,19 @@ class UpstreamEngine:
         return finish, cached
 
 
+async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The lines of an event stream, without their ends. Split here rather
+    than by ``StreamReader.readline``, which refuses a line longer than its
+    buffer (64 KiB): vLLM's first chunk holds the prompt's token ids."""
+    rest = b""
+    async for data in content.iter_any():
+        *lines, rest = (rest + data).split(b"\n")
+        for line in lines:
+            yield line.removesuffix(b"\r")
+    if rest:
+        yield rest.removesuffix(b"\r")
+
+
 def _replayed(request: EngineRequest) -> int:
     """How many of the tokens generated so far are asked again rather than
     sent: all of them for a constrained request (vLLM's grammar starts where
@@ -448,5 +473,5 @@ def _message(text: str) -> str:
         return text[:2000]
 
 
-def _unreachable(exc: httpx.HTTPError) -> str:
+def _unreachable(exc: Exception) -> str:
     return f"the server is unreachable ({exc.__class__.__name__})"
