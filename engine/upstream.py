@@ -448,13 +448,16 @@ async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
     """The lines of an event stream, without their ends. Split here rather
     than by ``StreamReader.readline``, which refuses a line longer than its
     buffer (64 KiB): vLLM's first chunk holds the prompt's token ids."""
-    rest = b""
+    held: list[bytes] = []  # the pieces of a line whose end has not come
     async for data in content.iter_any():
-        *lines, rest = (rest + data).split(b"\n")
-        for line in lines:
+        *ended, rest = data.split(b"\n")
+        if ended:
+            ended[0], held = b"".join([*held, ended[0]]), []
+        for line in ended:
             yield line.removesuffix(b"\r")
-    if rest:
-        yield rest.removesuffix(b"\r")
+        held.append(rest)
+    if last := b"".join(held):
+        yield last.removesuffix(b"\r")
 
 
 def _replayed(request: EngineRequest) -> int:
