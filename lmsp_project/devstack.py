@@ -174,6 +174,22 @@ def run_honcho(env: dict[str, str]) -> int:
     return 0 if stopping else returncode
 
 
+def run_environment(services: dict[str, str]) -> dict[str, str]:
+    """The environment of the service's or the tests' processes: this one's,
+    with ``services`` (the servers' addresses) and a development run's settings."""
+    # Procfile commands run through a shell: find this interpreter's tools first.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    # A development run: the built-in secret key is allowed (lmsp_project.env).
+    env = {**os.environ, **services, "PATH": path, "LMSP_DEVELOPMENT": "1"}
+    # Python caches the bytecode of what it imports. Some hosts turn that off
+    # (these machines set PYTHONDONTWRITEBYTECODE), and scripts/install
+    # compiles nothing ahead, so every process compiled torch, transformers
+    # and Django again at each start: 10.4 s of imports against 3.7 s cached,
+    # for each of the processes a test run starts and restarts.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     sys.exit(128 + signum)
 
@@ -186,10 +202,7 @@ def main(argv: list[str]) -> int:
     # conversion): the embedded servers are stopped, not left behind.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with services() as extra:
-        # Procfile commands run through a shell: find this interpreter's tools first.
-        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-        # A development run: the built-in secret key is allowed (lmsp_project.env).
-        env = {**os.environ, **extra, "PATH": path, "LMSP_DEVELOPMENT": "1"}
+        env = run_environment(extra)
         if argv[0] == "serve":
             return serve(env, extra)
         return subprocess.run(

@@ -1,5 +1,6 @@
 """The ports the tests, the benches and the development stack choose for
-their servers (``lmsp_project.devstack.free_port``)."""
+their servers (``lmsp_project.devstack.free_port``), and the environment of
+the processes it starts (``run_environment``)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,12 @@ def test_a_host_whose_range_starts_at_1024_still_gets_a_free_port(
     assert port >= 1024
     with socket.socket() as server:
         server.bind(("127.0.0.1", port))  # free indeed
+
+
+def test_the_processes_of_a_run_cache_their_bytecode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host that turns bytecode caching off would have every process of the
+    service and the tests compile torch and transformers at each start."""
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    env = devstack.run_environment({"REDIS_URL": "redis://127.0.0.1:1/0"})
+    assert "PYTHONDONTWRITEBYTECODE" not in env
+    assert env["REDIS_URL"] == "redis://127.0.0.1:1/0" and env["LMSP_DEVELOPMENT"] == "1"
