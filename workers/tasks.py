@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 def run_task(task_id: str, model: str | None = None, preferred: bool = False) -> str | None:
     # Imported here: the ops worker registers this job too (the app finds
     # every app's jobs) but never runs it, and the runner brings torch,
-    # transformers and xgrammar (about 5 s of each of its starts, and their memory).
+    # transformers and xgrammar (2-3 s of each of its starts with their bytecode
+    # cached, 5 s compiling it, and their memory).
     from . import runner
 
     return runner.run_task(task_id, model=model, preferred=preferred)
