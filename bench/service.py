@@ -134,7 +134,7 @@ def procfile_service(port: int = 8431, **settings: str) -> Iterator[Service]:
     ``REDIS_URL`` as the caller set them): this process's environment is put
     back and its connections closed on exit, so a second call (the next
     round of a bench) does not reach for the servers the first one stopped."""
-    from lmsp_project.devstack import services
+    from lmsp_project.devstack import run_environment, services
 
     # SIGTERM unwinds like Ctrl-C: the service and the embedded servers are
     # stopped, not left behind.
@@ -154,11 +154,8 @@ def procfile_service(port: int = 8431, **settings: str) -> Iterator[Service]:
             lifecycle.request_cancel(task_id)  # an interrupted run's
         LOGS.mkdir(parents=True, exist_ok=True)
         log = LOGS / "procfile-service.log"
-        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         env = {
-            **os.environ,
-            **settings,
-            "PATH": path,
+            **run_environment(settings),
             "LMSP_HOST": "127.0.0.1",
             "LMSP_PORT": str(port),
             "PYTHONUNBUFFERED": "1",

@@ -71,6 +71,9 @@ def server_url() -> Iterator[str]:
     yield f"http://127.0.0.1:{port}/v1"
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)
+    server.close()
+    loop.run_until_complete(server.wait_closed())
+    loop.close()
 
 
 def test_an_answer_cut_anywhere_gives_its_tokens_its_end_and_its_usage(server_url: str) -> None:
