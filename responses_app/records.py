@@ -93,24 +93,32 @@ def discard_unneeded(delivered_task_id: str | None = None) -> int:
 
     The one rule: a ``store: false`` response whose task has ended, that no
     idempotency key can replay, and whose own reader is done with it: a
-    direct answer once delivered (``delivered_task_id``) or a grace period
-    after it ended, a task's result once the task is past
-    ``LMSP_TASK_RETENTION_SECONDS``. Stored responses stay until deleted.
+    direct answer once delivered or a grace period after it ended, a task's
+    result once the task is past ``LMSP_TASK_RETENTION_SECONDS``. Stored
+    responses stay until deleted.
+
+    ``delivered_task_id``: the direct answer just delivered, and only it (the
+    pruner sweeps the others): this runs at the end of every direct answer,
+    where a sweep of every ended task would read the whole table each time.
+    Returns how many rows were deleted.
     """
-    now = timezone.now()
-    direct_done = Q(task__completed_at__lt=now - UNDELIVERED_GRACE)
-    if delivered_task_id is not None:
-        direct_done |= Q(task__id=delivered_task_id)
-    task_expired = Q(
-        task__completed_at__lte=now - timedelta(seconds=settings.LMSP_TASK_RETENTION_SECONDS)
-    )
     unneeded = Response.objects.filter(
-        Q(task__kind=TaskKind.DIRECT) & direct_done | Q(task__kind=TaskKind.TASK) & task_expired,
         store=False,
         task__status__in=FINAL_STATUSES,
         task__idempotencykey__isnull=True,
     )
-    return unneeded.delete()[0]
+    if delivered_task_id is not None:
+        unneeded = unneeded.filter(task__id=delivered_task_id, task__kind=TaskKind.DIRECT)
+    else:
+        now = timezone.now()
+        retention = timedelta(seconds=settings.LMSP_TASK_RETENTION_SECONDS)
+        unneeded = unneeded.filter(
+            Q(task__kind=TaskKind.DIRECT, task__completed_at__lt=now - UNDELIVERED_GRACE)
+            | Q(task__kind=TaskKind.TASK, task__completed_at__lte=now - retention)
+        )
+    # Only the ids: the deletion needs no more, and a response's input and
+    # output (a whole conversation's words) would be read for nothing.
+    return unneeded.only("id").delete()[0]
 
 
 @transaction.atomic
