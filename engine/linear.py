@@ -10,16 +10,22 @@ stored (``[out, in]``) to MKL, which lays it out again at every call.
   instead of 189 with ``F.linear`` (bench/README.md, issue 26). vLLM's CPU
   backend packs its weights for oneDNN the same way.
 - **One row** (a single stream decoding): a matrix-vector product, bound by
-  memory. The weight stored transposed (``[in, out]``, MKL's plain product)
-  streamed fastest on both machines measured. On an AMD EPYC, 30 layers'
-  projections and the output layer, one thread, took 37.5 ms against
-  44.6 packed and 50.7 with ``F.linear``; on an Intel Xeon, the projections
-  took 32.5 ms against 45.2 packed and 35.3. From two rows on, the packed
-  kernel wins: 50.2 ms against 54.2 transposed on the EPYC.
+  memory, and which layout streams it fastest depends on the CPU. On an AMD
+  EPYC with AVX2, 30 layers' projections and the output layer, one thread,
+  took 37.5 ms stored transposed (``[in, out]``, MKL's plain product)
+  against 44.6 packed and 50.7 with ``F.linear``; on an Intel Xeon, the
+  projections took 32.5 ms against 45.2 packed and 35.3. On an AMD EPYC
+  with AVX-512, the 121 products of one SmolLM2 step took 25.0 ms
+  transposed against 16.6 ms packed, and the service's single stream went
+  from 34.3-35.0 to 47.3-49.1 tokens/s packed (bench/README.md). So the
+  layout of one row is measured once per process on the CPU at hand
+  (``one_row_transposed``). From two rows on, the packed kernel wins: 50.2
+  ms against 54.2 transposed on the first EPYC.
 
-So ``auto`` holds a CPU's float32 weights packed and transposed, beside the
-model's own as loaded (for ``model.generate``, the eager path): three
-copies, 1.6 GB for SmolLM2-135M. ``packed`` holds them packed alone beside
+So ``auto`` holds a CPU's float32 weights packed, and transposed too where
+that computes one row faster, beside the model's own as loaded (for
+``model.generate``, the eager path): up to three copies, 1.6 GB for
+SmolLM2-135M. ``packed`` holds them packed alone beside
 the model's own; ``torch`` computes with ``F.linear`` over the model's own
 weights, the only choice on a GPU and in other dtypes.
 
@@ -46,6 +52,9 @@ answers with those of transformers' own layers.
 
 from __future__ import annotations
 
+import functools
+import time
+
 import torch
 
 LAYOUTS = ("auto", "packed", "torch")
@@ -70,6 +79,34 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+@functools.cache
+def one_row_transposed() -> bool:
+    """Whether this CPU computes one row's product faster from weights stored
+    transposed (MKL) than from packed ones (oneDNN): timed once per process
+    on the calling thread's threads, over 96 MB of weights in each layout (a
+    model's, not a cache's worth), each layout's best of 5 rounds, the rounds
+    alternated."""
+    weights = [torch.randn(2048, 1024) for _ in range(12)]
+    x = torch.randn(1, 1024)
+    packed = [_pack(weight, None) for weight in weights]
+    transposed = [weight.t().contiguous() for weight in weights]
+    del weights
+    best = {"transposed": float("inf"), "packed": float("inf")}
+    with torch.inference_mode():
+        for _ in range(5):
+            for layout in best:
+                started = time.perf_counter()
+                for _ in range(2):
+                    if layout == "transposed":
+                        for weight in transposed:
+                            torch.mm(x, weight)
+                    else:
+                        for weight in packed:
+                            _linear_packed(x, weight, None, "none", [], "")
+                best[layout] = min(best[layout], time.perf_counter() - started)
+    return best["transposed"] < best["packed"]
+
+
 class Product:
     """One linear layer, ``x @ weight.T + bias`` over rows ``x`` (``[rows, in]``),
     in ``layout`` (one of ``LAYOUTS``; ``auto`` and ``packed`` need
@@ -83,7 +120,9 @@ class Product:
         self.bias = bias
         self.weight = weight if layout == "torch" else None
         self.packed = _pack(weight, None) if layout != "torch" else None
-        self.transposed = weight.t().contiguous() if layout == "auto" else None
+        self.transposed = (
+            weight.t().contiguous() if layout == "auto" and one_row_transposed() else None
+        )
 
     def __call__(self, x: torch.Tensor, threads: int = 0) -> torch.Tensor:
         """The product over ``x``; one of several rows on ``threads`` OpenMP

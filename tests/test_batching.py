@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 import torch
 
+from engine import linear
 from engine.client import BatchingEngine, Generation, engine_for
 from engine.interface import SamplingParams
 from engine.linear import Product, can_pack
@@ -533,27 +534,38 @@ def test_packed_linear_layers_answer_as_transformers_own(lm, requests):
         load_model(dataclasses.replace(lm.spec, linear="packed", dtype="bfloat16"))
 
 
-def test_a_step_of_one_row_reads_the_transposed_weight_and_more_rows_the_packed_one(lm, requests):
-    """``linear = "auto"`` computes a step of one row with the weight stored
-    transposed and a larger one with the packed weight; ``linear =
-    "packed"`` holds the packed weights alone and gives the same greedy
-    answers; ``torch`` is ``F.linear``."""
-    linear = torch.nn.Linear(64, 32)
-    weight, bias = linear.weight.detach(), linear.bias.detach()
-    auto, packed = Product(weight, bias, "auto"), Product(weight, bias, "packed")
-    plain = Product(weight, bias, "torch")
-    assert packed.transposed is None and packed.weight is None
-    with torch.inference_mode():
-        for rows in (1, 2, 3):
-            x = torch.randn(rows, 64)
-            by_packed = torch.ops.mkldnn._linear_pointwise(x, packed.packed, bias, "none", [], "")
-            assert torch.equal(packed(x), by_packed)
-            by_transposed = torch.addmm(bias, x, weight.t().contiguous())
-            assert torch.equal(auto(x), by_transposed if rows == 1 else by_packed)
-            assert torch.equal(plain(x), torch.nn.functional.linear(x, weight, bias))
+def test_a_step_of_one_row_reads_the_layout_this_cpu_streams_fastest(lm, requests, monkeypatch):
+    """``linear = "auto"`` computes a step of several rows with the packed
+    weight, and a step of one row with the weight stored transposed where
+    this CPU computes one row faster so (``one_row_transposed``, measured
+    once a process), else with the packed one; ``linear = "packed"`` holds
+    the packed weights alone and gives the same greedy answers; ``torch`` is
+    ``F.linear``."""
+    measured = linear.one_row_transposed()
+    assert linear.one_row_transposed() is measured  # timed once, not at each layer
+    layer = torch.nn.Linear(64, 32)
+    weight, bias = layer.weight.detach(), layer.bias.detach()
+    for transposed_wins in (True, False):  # each CPU's case, whichever this one is
+        monkeypatch.setattr(linear, "one_row_transposed", lambda wins=transposed_wins: wins)
+        auto, packed = Product(weight, bias, "auto"), Product(weight, bias, "packed")
+        plain = Product(weight, bias, "torch")
+        assert (auto.transposed is not None) == transposed_wins
+        assert packed.transposed is None and packed.weight is None
+        with torch.inference_mode():
+            for rows in (1, 2, 3):
+                x = torch.randn(rows, 64)
+                by_packed = torch.ops.mkldnn._linear_pointwise(
+                    x, packed.packed, bias, "none", [], ""
+                )
+                assert torch.equal(packed(x), by_packed)
+                by_transposed = torch.addmm(bias, x, weight.t().contiguous())
+                one_transposed = rows == 1 and transposed_wins
+                assert torch.equal(auto(x), by_transposed if one_transposed else by_packed)
+                assert torch.equal(plain(x), torch.nn.functional.linear(x, weight, bias))
     if not can_pack(lm.model.device, lm.model.dtype):
         return  # elsewhere torch's own products are kept (the test above)
-    assert lm.decoder.head.transposed is not None  # the worker's default, "auto"
+    # The worker's default, "auto", as this CPU measured it.
+    assert (lm.decoder.head.transposed is not None) == measured
     packed_only = load_model(dataclasses.replace(lm.spec, linear="packed"))
     layers = packed_only.decoder.layers
     products = [packed_only.decoder.head] + [p for layer in layers for p in (layer.qkv, layer.down)]

@@ -98,7 +98,11 @@ def product_threads(spec: ModelSpec, device_type: str, available: int) -> int:
 
 def linear_layers(layout: str) -> str:
     """How the load log names the model's linear layers."""
-    return {"auto": "packed and transposed", "packed": "packed", "torch": "torch's"}[layout]
+    from engine.linear import one_row_transposed
+
+    if layout == "auto":
+        return "packed and transposed" if one_row_transposed() else "packed (one row too)"
+    return {"packed": "packed", "torch": "torch's"}[layout]
 
 
 @functools.cache
