@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -91,18 +92,17 @@ def one_row_transposed() -> bool:
     packed = [_pack(weight, None) for weight in weights]
     transposed = [weight.t().contiguous() for weight in weights]
     del weights
-    best = {"transposed": float("inf"), "packed": float("inf")}
+    products: dict[str, Callable[[], object]] = {
+        "transposed": lambda: [torch.mm(x, weight) for weight in transposed],
+        "packed": lambda: [_linear_packed(x, weight, None, "none", [], "") for weight in packed],
+    }
+    best = dict.fromkeys(products, float("inf"))
     with torch.inference_mode():
         for _ in range(5):
-            for layout in best:
+            for layout, product in products.items():
                 started = time.perf_counter()
-                for _ in range(2):
-                    if layout == "transposed":
-                        for weight in transposed:
-                            torch.mm(x, weight)
-                    else:
-                        for weight in packed:
-                            _linear_packed(x, weight, None, "none", [], "")
+                product()
+                product()
                 best[layout] = min(best[layout], time.perf_counter() - started)
     return best["transposed"] < best["packed"]
 
