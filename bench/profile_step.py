@@ -3,8 +3,7 @@
     .venv/bin/python bench/profile_step.py [--rows 1 8] [--steps 30] [--context 200]
 
 Loads the model as the worker does (``workers.loading``), runs on the
-engine's threads (every core but one, and every core for its products of
-several rows: ``engine.linear``), puts ``--rows`` requests of a
+engine's threads (every core: ``workers.loading.engine_threads``), puts ``--rows`` requests of a
 ``--context``-token prompt into a ``ModelRunner``, and times decoding steps
 (one token per row) three ways, each the median of ``--steps`` steps:
 
@@ -77,8 +76,7 @@ def main() -> int:
     if lm.threads:  # as the engine's thread runs its steps
         torch.set_num_threads(lm.threads)
     print(
-        f"{MODEL}: {lm.model.dtype}, {torch.get_num_threads()} threads, "
-        f"{lm.product_threads} for products of several rows, torch {torch.__version__}"
+        f"{MODEL}: {lm.model.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     )
     for rows in args.rows:
         with torch.inference_mode():
@@ -112,7 +110,7 @@ class Steps:
         from engine.scheduler import Chunk
 
         model = self.model = lm.model
-        self.runner = ModelRunner(lm.decoder, max_batch, lm.product_threads)
+        self.runner = ModelRunner(lm.decoder, max_batch)
         self.requests = [
             Request(
                 id=n,
@@ -169,7 +167,7 @@ class Steps:
 
     def linear_layers(self) -> None:
         for product, x in self.products:
-            product(x, self.runner.product_threads)
+            product(x)
 
 
 def _plan(chunks: list) -> object:  # noqa: ANN001 - a StepPlan

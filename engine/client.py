@@ -95,9 +95,6 @@ class ServedModel(Protocol):
     @property
     def threads(self) -> int: ...
 
-    @property
-    def product_threads(self) -> int: ...
-
 
 class Generation:
     """One submitted request, as its caller holds it: the own engine's
@@ -256,7 +253,6 @@ class BatchingEngine:
             token_budget=token_budget or lm.token_budget,
             chunk_tokens=chunk_tokens or lm.chunk_tokens,
             prefix_cache=spec.prefix_cache if prefix_cache is None else prefix_cache,
-            product_threads=lm.product_threads,
             # The service holds a request within its model's context window (a
             # longer one, within the budget, still runs: its slot grows by copying).
             slot_tokens=min(spec.context_window, token_budget or lm.token_budget),
@@ -431,8 +427,8 @@ class BatchingEngine:
             self._wakeup.notify()
 
     def share_cores(self) -> None:
-        """Run the next steps, their products of several rows included, on at
-        most half the machine's threads (at least one): a worker told to stop
+        """Run the next steps on at most half the machine's threads (at least
+        one): a worker told to stop
         keeps generating while its successor starts, often on the same
         machine, and every stream it hands over waits for that start
         (imports, weights), which steps on every core slowed by half (9.2 s
@@ -479,7 +475,6 @@ class BatchingEngine:
                 if self._sharing_cores and not self._cores_shared:
                     half = max(1, self._process_threads // 2)
                     torch.set_num_threads(min(torch.get_num_threads(), half))
-                    self.runner.product_threads = min(self.runner.product_threads or half, half)
                     self._cores_shared = True
                 self._abort_cancelled()
                 if self._draining:

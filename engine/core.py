@@ -52,7 +52,6 @@ class EngineCore:
         token_budget: int,
         chunk_tokens: int,
         prefix_cache: bool = True,
-        product_threads: int = 0,
         slot_tokens: int = 0,
     ) -> None:
         self.scheduler = Scheduler(
@@ -61,7 +60,7 @@ class EngineCore:
             chunk_tokens=chunk_tokens,
             prefix_cache=prefix_cache,
         )
-        self.runner = ModelRunner(decoder, max_batch, product_threads, slot_tokens)
+        self.runner = ModelRunner(decoder, max_batch, slot_tokens)
         self._requests: dict[int, Request] = {}  # not yet ended, by id
 
     @property

@@ -242,22 +242,12 @@ class Decoder:
         positions: torch.Tensor,
         memory: StepMemory,
         last: torch.Tensor,
-        product_threads: int = 0,
     ) -> torch.Tensor:
         """The logits (``[len(last), vocab]``) after the tokens at indices
         ``last`` of the packed sequence ``ids`` (at ``positions``), each row
-        storing its keys and values in ``memory`` and attending over its own;
-        products of several rows that are worth it (``Product.worth_threads``)
-        on ``product_threads`` OpenMP threads (``engine.linear``; 0: the
-        caller's count)."""
+        storing its keys and values in ``memory`` and attending over its own."""
         tokens = ids.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        # Every layer's products have the first one's shapes.
-        first = self.layers[0]
-        qkv_threads, o_threads, gate_up_threads, down_threads = (
-            product_threads if product.worth_threads else 0
-            for product in (first.qkv, first.o, first.gate_up, first.down)
-        )
         width = heads * dim  # of the queries, and of attention's output
         keys_end = width + kv_heads * dim
         if int(positions.max()) >= self._cos.shape[0]:
@@ -267,7 +257,7 @@ class Decoder:
         shape = (self.hidden_size,)
         for index, layer in enumerate(self.layers):
             normed = F.rms_norm(hidden, shape, layer.input_norm, self.eps)
-            qkv = layer.qkv(normed, qkv_threads)
+            qkv = layer.qkv(normed)
             query_key = qkv[:, :keys_end].view(tokens, heads + kv_heads, dim)
             if layer.q_norm is not None and layer.k_norm is not None:
                 query_key = torch.cat(
@@ -282,13 +272,12 @@ class Decoder:
             values = qkv[:, keys_end:].view(tokens, kv_heads, dim)
             queries, keys = query_key[:, :heads], query_key[:, heads:]
             attended = self._attend(index, queries, keys, values, memory)
-            hidden = hidden + layer.o(attended.reshape(tokens, width), o_threads)
+            hidden = hidden + layer.o(attended.reshape(tokens, width))
             normed = F.rms_norm(hidden, shape, layer.post_norm, self.eps)
-            gate_up = layer.gate_up(normed, gate_up_threads)
+            gate_up = layer.gate_up(normed)
             gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-            hidden = hidden + layer.down(F.silu(gate) * up, down_threads)
-        head_threads = product_threads if self.head.worth_threads else 0
-        return self.head(F.rms_norm(hidden[last], shape, self.norm, self.eps), head_threads)
+            hidden = hidden + layer.down(F.silu(gate) * up)
+        return self.head(F.rms_norm(hidden[last], shape, self.norm, self.eps))
 
     def _attend(
         self,

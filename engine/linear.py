@@ -29,21 +29,8 @@ SmolLM2-135M. ``packed`` holds them packed alone beside
 the model's own; ``torch`` computes with ``F.linear`` over the model's own
 weights, the only choice on a GPU and in other dtypes.
 
-A large product of several rows is long enough (0.3 ms for 8 rows of
-SmolLM2's gate and up) that a core shared with the rest of the service
-still helps it: its threads split it evenly, so a busy second core makes it
-no slower than one thread would, and an idle one makes it up to twice as
-fast. The engine (``batching``) runs such products on every core and the
-rest of a step on one core fewer; 8 streams through the service: median
-140.2 tokens/s against 127.1 with every product on one thread
-(bench/README.md). A thread that waits between products sleeps, and waking
-it costs about as much as a small product saves: only products of
-``PARALLEL_WEIGHTS`` weights or more are worth it (``worth_threads``).
-Other operations stay on fewer threads: their parallel regions cost more
-than they save, and wait for whichever thread the other processes delayed.
-That holds for the decoding rows' attention too, though its keys and values
-are out of the cache when it reads them: on two sleeping threads it took
-as long as on one.
+The engine's thread computes them on all of its OpenMP threads, every core
+by default (``workers.loading.engine_threads``).
 
 Each layout adds a product's terms in its own order, so logits move in their
 last bits (at most 1e-4 here); ``bench/greedy_parity.py`` compares the greedy
@@ -59,15 +46,6 @@ from collections.abc import Callable
 import torch
 
 LAYOUTS = ("auto", "packed", "torch")
-# Products of fewer weights run on the caller's threads. Measured through the
-# service, 8 streams, batches alternated in one running service (a switch
-# read at every step; bench/README.md): SmolLM2's down product (0.88 million
-# weights) on two threads beside gate/up and the output layer, median 149.2
-# tokens/s against 142.4 on one (6 batches each, faster in every pair); its
-# q/k/v and attention output (0.55 and 0.33 million) on two as well, 150.0
-# against 148.0 (3 pairs of 6 faster): not worth a wake-up each.
-PARALLEL_WEIGHTS = 800_000
-
 _linear_packed = torch.ops.mkldnn._linear_pointwise.default
 _pack = torch.ops.mkldnn._reorder_linear_weight
 
@@ -112,11 +90,9 @@ class Product:
     in ``layout`` (one of ``LAYOUTS``; ``auto`` and ``packed`` need
     ``can_pack``)."""
 
-    __slots__ = ("bias", "packed", "transposed", "weight", "worth_threads")
+    __slots__ = ("bias", "packed", "transposed", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> None:
-        # Whether a product of several rows pays for waking more threads.
-        self.worth_threads = weight.numel() >= PARALLEL_WEIGHTS
         self.bias = bias
         self.weight = weight if layout == "torch" else None
         self.packed = _pack(weight, None) if layout != "torch" else None
@@ -124,19 +100,7 @@ class Product:
             weight.t().contiguous() if layout == "auto" and one_row_transposed() else None
         )
 
-    def __call__(self, x: torch.Tensor, threads: int = 0) -> torch.Tensor:
-        """The product over ``x``; one of several rows on ``threads`` OpenMP
-        threads where given, on the caller's count otherwise."""
-        if threads and x.shape[0] > 1:
-            caller = torch.get_num_threads()
-            torch.set_num_threads(threads)
-            try:
-                return self._product(x)
-            finally:
-                torch.set_num_threads(caller)
-        return self._product(x)
-
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.transposed is not None and x.shape[0] == 1:
             if self.bias is None:
                 return torch.mm(x, self.transposed)

@@ -54,11 +54,8 @@ class ModelRunner:
     ``slot_tokens`` tokens without copying their keys and values as they grow
     (``kv_cache``; 0: each growth copies them)."""
 
-    def __init__(self, decoder: Decoder, max_batch: int, product_threads: int = 0,
-                 slot_tokens: int = 0) -> None:  # fmt: skip
+    def __init__(self, decoder: Decoder, max_batch: int, slot_tokens: int = 0) -> None:
         self.decoder = decoder
-        # OpenMP threads of a step's products of several rows (0: the caller's count).
-        self.product_threads = product_threads
         self.device = decoder.device
         self.vocab_size = decoder.vocab_size
         self.memory = KVCache(
@@ -114,7 +111,6 @@ class ModelRunner:
             torch.tensor(positions, device=device),
             self._memory(chunks),
             torch.tensor(last, dtype=torch.long, device=device),
-            self.product_threads,
         )
         if not sampling:
             return StepResult({}, failed)

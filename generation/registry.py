@@ -78,9 +78,8 @@ class ModelSpec:
     # them packed alone (a worker that cannot pack fails to load it); "torch"
     # computes with F.linear over the weights as loaded.
     linear: str = "auto"
-    # OpenMP threads of its engine on a CPU (0: every core but one, left to
-    # the web, the database and the worker's own threads, as vLLM's CPU
-    # backend leaves one to its server; workers.loading).
+    # OpenMP threads of its engine on a CPU (0: every core, as vLLM's CPU
+    # backend runs its model; workers.loading.engine_threads).
     cpu_threads: int = 0
     # Tokens of keys and values a worker holds for it, running requests and
     # prefix cache together (0: derived, see workers.loading); at least the

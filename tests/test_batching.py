@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 
 import jsonschema
@@ -22,8 +23,8 @@ from engine.linear import Product, can_pack
 from generation import prompts
 from generation.params import GenerationParams
 from generation.tokens import prompt_tokenizer
-from workers import constraints
-from workers.loading import engine_threads, load_model, product_threads
+from workers import constraints, loading
+from workers.loading import engine_threads, load_model
 
 from . import reference
 
@@ -414,16 +415,12 @@ def test_requests_sharing_what_a_running_one_computed_answer_as_alone(lm, reques
     assert counts.prompt_tokens_computed == len(ids) + 1 + len(other_ids) - common
 
 
-def test_an_engine_on_a_cpu_steps_on_every_core_but_one(lm, requests):
+def test_an_engine_on_a_cpu_steps_on_every_core(lm, requests):
     ids, _, alone = requests[0]
     available = torch.get_num_threads()
-    assert lm.threads == max(1, available - 1)
+    assert lm.threads == available
     assert engine_threads(dataclasses.replace(lm.spec, cpu_threads=3), "cpu", available) == 3
     assert engine_threads(lm.spec, "cuda", available) == 0
-    # Its products of several rows run on every core (engine.linear).
-    assert lm.product_threads == available
-    assert product_threads(dataclasses.replace(lm.spec, cpu_threads=3), "cpu", available) == 3
-    assert product_threads(lm.spec, "cuda", available) == 0
     threads: list[int] = []
     counting = BatchingEngine(lm, max_batch=2)
     try:
@@ -435,6 +432,21 @@ def test_an_engine_on_a_cpu_steps_on_every_core_but_one(lm, requests):
         counting.close(timeout=60)
     assert threads == [lm.threads] * 3
     assert torch.get_num_threads() == available  # the caller's own count is left as it was
+
+
+def test_a_model_loads_on_a_thread_that_ends_with_the_load(lm, monkeypatch):
+    """Not on the caller's: the OpenMP pool a load leaves on its thread would
+    make the engine thread's pool sleep between products (workers.loading)."""
+    loaders: list[threading.Thread] = []
+
+    def load(spec):
+        loaders.append(threading.current_thread())
+        return lm
+
+    monkeypatch.setattr(loading, "_load", load)
+    assert loading.load_model.__wrapped__(lm.spec) is lm
+    assert loaders and loaders[0] is not threading.current_thread()
+    assert not loaders[0].is_alive()
 
 
 def test_an_engine_sharing_its_cores_steps_on_half_its_threads(lm, requests):
@@ -451,33 +463,6 @@ def test_an_engine_sharing_its_cores_steps_on_half_its_threads(lm, requests):
         sharing.close(timeout=60)
     half = max(1, torch.get_num_threads() // 2)
     assert threads == [half] * 4
-    assert sharing.runner.product_threads == min(lm.product_threads or half, half)
-
-
-class ThreadsProbe(Product):
-    """A product that records the OpenMP threads it computes on."""
-
-    seen: list[int]
-
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen.append(torch.get_num_threads())
-        return super()._product(x)
-
-
-def test_a_product_of_several_rows_runs_on_the_threads_it_is_given():
-    linear = torch.nn.Linear(64, 32)
-    probe = ThreadsProbe(linear.weight.detach(), linear.bias.detach(), "torch")
-    probe.seen = []
-    caller = torch.get_num_threads()
-    with torch.inference_mode():
-        for rows, threads in ((1, 3), (4, 3), (4, 0)):
-            x = torch.randn(rows, 64)
-            assert torch.equal(
-                probe(x, threads), torch.nn.functional.linear(x, linear.weight, linear.bias)
-            )
-            assert torch.get_num_threads() == caller
-    # One row on the caller's threads, several on the threads given, or the caller's without.
-    assert probe.seen == [caller, 3, caller]
 
 
 def test_a_request_without_room_is_preempted_and_its_resume_continues_exactly(lm, requests):

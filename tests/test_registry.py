@@ -25,7 +25,7 @@ def test_a_models_settings_default_to_what_suits_its_device():
     (spec,) = parse_registry(ENTRY).values()
     assert (spec.dtype, spec.device, spec.attention) == ("auto", "auto", "sdpa")
     assert spec.linear == "auto"  # packed on a CPU, torch's own layers on a GPU
-    assert spec.cpu_threads == 0  # every core but one
+    assert spec.cpu_threads == 0  # every core
     assert (spec.kv_budget_tokens, spec.prefill_chunk_tokens) == (0, 0)  # from the device
     assert spec.prefix_cache and spec.max_batch == 8 and spec.gpu_memory_fraction == 0.85
 

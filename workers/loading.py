@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,7 +45,6 @@ class LoadedModel:
     token_budget: int = 0  # tokens of keys and values its engine may hold
     chunk_tokens: int = 0  # prompt tokens its engine computes per step
     threads: int = 0  # OpenMP threads of its engine's steps (0: torch's own count)
-    product_threads: int = 0  # ... of a step's products of several rows (engine.linear)
 
     @functools.cached_property
     def eos_token_ids(self) -> set[int]:
@@ -76,21 +76,17 @@ def derived_budget(spec: ModelSpec, config: PretrainedConfig, token_bytes: int, 
 
 def engine_threads(spec: ModelSpec, device_type: str, available: int) -> int:
     """OpenMP threads for the engine's steps on a CPU, where ``available`` is
-    torch's count (its cores, or ``OMP_NUM_THREADS``): every core but one
-    unless ``cpu_threads`` says otherwise. On 2 cores the service's web,
-    database and job threads took the second core from a two-thread step,
-    whose parallel regions then waited for it: one thread served 27.6 tokens/s
-    at one stream against 20.1, and 126.4 against 90.4 at eight
-    (bench/README.md). 0 on a GPU, whose threads only launch kernels."""
-    if device_type != "cpu":
-        return 0
-    return spec.cpu_threads or max(1, available - 1)
+    torch's count (its cores, or ``OMP_NUM_THREADS``): every core, as vLLM's
+    CPU backend runs its model, unless ``cpu_threads`` says otherwise; 0 on a
+    GPU, whose threads only launch kernels.
 
-
-def product_threads(spec: ModelSpec, device_type: str, available: int) -> int:
-    """OpenMP threads for the engine's products of several rows on a CPU
-    (``engine.linear``): every core, the one left to the rest of the service
-    too, unless ``cpu_threads`` says otherwise; 0 on a GPU."""
+    Measured on a 2-core Xeon (AVX-512), the service generating with the
+    model loaded apart (``load_model``): one stream 29.8-31.0 tokens/s on two
+    threads against 21.0-21.6 on one, eight streams 128.3-136.5 against
+    115.8-125.2. The threads keep OpenMP's default wait (they spin briefly
+    between parallel regions, then sleep): with ``OMP_WAIT_POLICY=PASSIVE`` a
+    step of one row took 48.5-49.4 ms on two threads, as on one, against
+    29.9-32.5 ms."""
     if device_type != "cpu":
         return 0
     return spec.cpu_threads or available
@@ -107,6 +103,22 @@ def linear_layers(layout: str) -> str:
 
 @functools.cache
 def load_model(spec: ModelSpec) -> LoadedModel:
+    """``spec``'s model, loaded on a thread of its own that ends with the load.
+
+    Why: GNU OpenMP keeps a pool of threads for every thread that has run a
+    parallel region, for as long as that thread lives, and once the process
+    holds more of them than the machine has cores, every pool's threads
+    spin only a moment before they sleep. Loaded on the worker's main
+    thread (which packs the weights and times their layouts on every core),
+    that pool stayed, and the engine thread's steps woke a sleeping thread
+    for each product: one row took 46.5-49.1 ms on two threads, as on one,
+    against 29.5-30.1 ms with no other pool (2-core Xeon). Ended with its
+    thread, the loader's pool leaves the engine thread's alone."""
+    with ThreadPoolExecutor(1, thread_name_prefix=f"load-{spec.id}") as loader:
+        return loader.submit(_load, spec).result()
+
+
+def _load(spec: ModelSpec) -> LoadedModel:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -157,16 +169,12 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         budget = CPU_BUDGET_CONTEXTS * spec.context_window
     available = torch.get_num_threads()
     threads = engine_threads(spec, device.type, available)
-    products = product_threads(spec, device.type, available)
     log.info(
         "Loaded %s on %s (%s, %s attention%s, %s linear layers, %s): %d tokens of keys and "
         "values, prompts in chunks of %d",
         spec.id, device, dtype, spec.attention,
         " (decoding rows: engine.decode_attention)" if decoder.attends_by_length else "",
         linear_layers(layout),
-        f"{threads} engine threads, {products} for products of several rows"
-        if threads else "torch's threads", budget, chunk_tokens,
+        f"{threads} engine threads" if threads else "torch's threads", budget, chunk_tokens,
     )  # fmt: skip
-    return LoadedModel(
-        spec, model, decoder, load_tokenizer(spec), budget, chunk_tokens, threads, products
-    )
+    return LoadedModel(spec, model, decoder, load_tokenizer(spec), budget, chunk_tokens, threads)

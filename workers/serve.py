@@ -15,12 +15,6 @@ import threading
 
 def main() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lmsp_project.settings")
-    # OpenMP threads sleep between parallel regions instead of spinning (read
-    # when torch loads): the engine's only parallel regions are its products
-    # of several rows, and a spinning thread would take the core they share
-    # with the web and the job threads between them (8 streams, two rounds:
-    # 161.0 and 151.8 tokens/s against 150.2 and 135.4 spinning; bench/README.md).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import django
 
     django.setup()
