@@ -1,6 +1,7 @@
 /* The decoding rows' attention on a CPU, float32: each row's one token's
    queries over its own slot's first tokens, read straight from the slots of
-   the key/value memory (workers/kv_cache.py), one thread.
+   the key/value memory (workers/kv_cache.py), on the calling thread's
+   OpenMP threads.
 
    Built and loaded by workers/decode_attention.py, which says why it exists.
    Compiled with -ffast-math (so that the dot products and sums vectorize and
@@ -114,20 +115,29 @@ int lmsp_decode_attention(
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++)
         if (lengths[r] > longest) longest = lengths[r];
-    float *scores = malloc(sizeof(float) * (size_t)(4 * longest + 1));  /* a block's */
-    if (!scores) return -1;
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t n = lengths[r];
-        for (int64_t h = 0; h < kv_heads; h++) {
-            const float *k = keys + slots[r] * slot_stride + h * head_stride;
-            const float *v = values + slots[r] * slot_stride + h * head_stride;
-            const float *qh = q + r * q_row_stride + h * groups * dim;
-            float *o = out + (r * heads + h * groups) * dim;
-            if (dim == 64) attend(qh, k, v, o, scores, n, groups, 64, scale);
-            else if (dim == 128) attend(qh, k, v, o, scores, n, groups, 128, scale);
-            else attend(qh, k, v, o, scores, n, groups, dim, scale);
+    int failed = 0;
+    /* The (row, key/value head) pairs split between the calling thread's
+       OpenMP threads: torch's own pool, which the products have just used. */
+    #pragma omp parallel reduction(|:failed)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(4 * longest + 1));  /* a block's */
+        if (!scores) failed = 1;
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t h = 0; h < kv_heads; h++) {
+                if (!scores) continue;
+                const int64_t n = lengths[r];
+                const float *k = keys + slots[r] * slot_stride + h * head_stride;
+                const float *v = values + slots[r] * slot_stride + h * head_stride;
+                const float *qh = q + r * q_row_stride + h * groups * dim;
+                float *o = out + (r * heads + h * groups) * dim;
+                if (dim == 64) attend(qh, k, v, o, scores, n, groups, 64, scale);
+                else if (dim == 128) attend(qh, k, v, o, scores, n, groups, 128, scale);
+                else attend(qh, k, v, o, scores, n, groups, dim, scale);
+            }
         }
+        free(scores);
     }
-    free(scores);
+    if (failed) return -1;
     return 0;
 }

@@ -50,8 +50,11 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
-LINK_FLAGS = ("-lmvec", "-lm")  # glibc's vector library: the vectorized expf
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp")
+# glibc's vector library (the vectorized expf); libgomp, which resolves to
+# the one torch has loaded (the same soname): the rows split between the
+# engine thread's own OpenMP pool, whose threads spin between its products.
+LINK_FLAGS = ("-lmvec", "-lm", "-fopenmp")
 _I64, _POINTER = ctypes.c_int64, ctypes.c_void_p
 _ARGUMENTS = (_POINTER, _I64, _POINTER, _POINTER, _I64, _I64, _POINTER, _POINTER, _POINTER,
               _I64, _I64, _I64, _I64, ctypes.c_float)  # fmt: skip
