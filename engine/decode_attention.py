@@ -54,6 +54,8 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp")
 # glibc's vector library (the vectorized expf); libgomp, which resolves to
 # the one torch has loaded (the same soname): the rows split between the
 # engine thread's own OpenMP pool, whose threads spin between its products.
+# (A torch built on Intel's OpenMP would get GNU's beside it: the answers the
+# same, two pools for the cores.)
 LINK_FLAGS = ("-lmvec", "-lm", "-fopenmp")
 _I64, _POINTER = ctypes.c_int64, ctypes.c_void_p
 _ARGUMENTS = (_POINTER, _I64, _POINTER, _POINTER, _I64, _I64, _POINTER, _POINTER, _POINTER,
