@@ -12,40 +12,24 @@ for long queries and pays for it here: over the slots of 8 rows at context
 the slots need neither padding to the longest nor a mask. vLLM's CPU backend
 has its own decoding attention for the same reason.
 
-Why built here rather than shipped built: it is compiled for the machine's
-own instruction set (``-march=native``), and without torch's headers it
-builds in under a second; the library is kept in ``cache_dir()`` under a
-name that changes with the source, the flags, the compiler and the CPU.
-Where there is no compiler, the build fails, or the built function does not
-give torch's answers on a small check, the engine attends with torch's
-kernel (``sdpa``), and says so once in its log.
-
-Why the cache is checked before anything in it is loaded: loading a library
-runs its constructors, as the worker, whose environment holds the database
-password. So the folder and the library must belong to the worker's user and
-be writable by nobody else (else the engine falls back, as for a failed
-build); a library is built under a temporary name in the folder and renamed
-whole; and its name carries the sha256 of its bytes, taken when it was built,
-which its bytes must still match before it is loaded (else it is removed and
-built again).
+It is built for this machine and loaded by ``engine.native``; where there
+is no compiler, the build fails, or the built function does not give
+torch's answers on a small check, the engine attends with torch's kernel
+(``sdpa``), and says so once in its log.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import stat
 import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from . import native
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +44,6 @@ LINK_FLAGS = ("-lmvec", "-lm", "-fopenmp")
 _I64, _POINTER = ctypes.c_int64, ctypes.c_void_p
 _ARGUMENTS = (_POINTER, _I64, _POINTER, _POINTER, _I64, _I64, _POINTER, _POINTER, _POINTER,
               _I64, _I64, _I64, _I64, ctypes.c_float)  # fmt: skip
-
-
-def cache_dir() -> Path:
-    """Where built libraries are kept: ``LMSP_KERNEL_CACHE``, else the user's cache."""
-    configured = os.environ.get("LMSP_KERNEL_CACHE")
-    if configured:
-        return Path(configured)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lmsp"
 
 
 class DecodeAttention:
@@ -108,7 +84,7 @@ def load(scale: float) -> DecodeAttention | None:
     """The function for a model whose attention scales by ``scale``, built if
     needed; None where it cannot be built or fails its check."""
     try:
-        library = ctypes.CDLL(str(_built()))
+        library = native.load(SOURCE, COMPILE_FLAGS, LINK_FLAGS)
     except (OSError, subprocess.SubprocessError) as error:
         log.warning("Decoding attention falls back to torch's kernel: %s", error)
         return None
@@ -125,80 +101,6 @@ def load(scale: float) -> DecodeAttention | None:
         )
         return None
     return attention
-
-
-def compiler() -> str | None:
-    """The C compiler to build with: ``CC``, else ``cc`` or ``gcc`` on the PATH."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def _built() -> Path:
-    """The library, built into ``cache_dir()`` unless an intact one is there."""
-    compiler_path = compiler()
-    if compiler_path is None:
-        raise OSError("no C compiler (cc or gcc) on the PATH")
-    version = subprocess.run(
-        [compiler_path, "--version"], capture_output=True, text=True, check=True, timeout=30
-    ).stdout
-    key = hashlib.sha256(
-        "\n".join([SOURCE.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version, _cpu_flags()]).encode()
-    ).hexdigest()[:16]
-    folder = cache_dir()
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _refuse_unless_private(folder, "folder")
-    for found in sorted(folder.glob(f"decode_attention-{key}-*.so")):
-        _refuse_unless_private(found, "library")
-        if _digest(found) == found.stem.rpartition("-")[2]:
-            return found
-        log.warning("Decoding attention: %s does not match its digest; built again.", found)
-        found.unlink()
-    with tempfile.TemporaryDirectory(dir=folder) as scratch:
-        obj, library = Path(scratch) / "kernel.o", Path(scratch) / "kernel.so"
-        # Two commands: -ffast-math at the link would add startup code that
-        # turns on flush-to-zero for the whole process.
-        for command in (
-            [compiler_path, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-            [compiler_path, "-shared", str(obj), "-o", str(library), *LINK_FLAGS],
-        ):
-            done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                raise OSError(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
-        library.chmod(0o755)  # writable by its owner alone, whatever the umask
-        target = folder / f"decode_attention-{key}-{_digest(library)}.so"
-        os.replace(library, target)  # whole, even with another worker building it too
-    return target
-
-
-def _refuse_unless_private(path: Path, what: str) -> None:
-    """Raise unless ``path`` (not a link) belongs to this process's user and
-    no other user or group may write to it."""
-    status = path.lstat()
-    if stat.S_ISLNK(status.st_mode):
-        raise OSError(f"the kernel cache {what} {path} is a symbolic link")
-    if status.st_uid != os.geteuid():
-        raise OSError(
-            f"the kernel cache {what} {path} belongs to user {status.st_uid}, not this one"
-        )
-    if status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise OSError(
-            f"the kernel cache {what} {path} is writable by its group or others "
-            f"(mode {stat.filemode(status.st_mode)}; chmod go-w it)"
-        )
-
-
-def _digest(library: Path) -> str:
-    """The sha256 of the library's bytes."""
-    with library.open("rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
-
-
-def _cpu_flags() -> str:
-    """What ``-march=native`` builds for: the CPU's flags where Linux lists them."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line for line in info if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
 
 
 def _check(attention: DecodeAttention, scale: float) -> float:

@@ -20,12 +20,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import decode_attention
+from engine import decode_attention, native
 
 
 @pytest.fixture(scope="module")
 def attention(tmp_path_factory: pytest.TempPathFactory) -> decode_attention.DecodeAttention:
-    if decode_attention.compiler() is None:
+    if native.compiler() is None:
         pytest.skip("no C compiler to build the decoding attention with")
     cache = tmp_path_factory.mktemp("kernels")
     with pytest.MonkeyPatch.context() as patch:
@@ -92,7 +92,7 @@ __attribute__((constructor)) static void planted(void) {
 def planted(tmp_path: Path) -> tuple[Path, Path]:
     """A real library whose constructor writes a marker file when it is
     loaded, and the marker's path (not there yet)."""
-    compiler = decode_attention.compiler()
+    compiler = native.compiler()
     if compiler is None:
         pytest.skip("no C compiler to build the planted library with")
     marker, source, library = (
@@ -115,7 +115,7 @@ def planted(tmp_path: Path) -> tuple[Path, Path]:
 def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A library the cache built (loaded in this process, so tests copy it
     into folders of their own: the loader opens a path once)."""
-    if decode_attention.compiler() is None:
+    if native.compiler() is None:
         pytest.skip("no C compiler to build the decoding attention with")
     cache = tmp_path_factory.mktemp("built")
     with pytest.MonkeyPatch.context() as patch:

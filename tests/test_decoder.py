@@ -22,7 +22,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from engine import decode_attention
+from engine import native
 from engine.decoder import Decoder, Decoding, Span, StepMemory, unsupported
 from engine.kv_cache import KVCache
 from engine.linear import LAYOUTS, can_pack
@@ -54,7 +54,7 @@ def built(kind: str, layout: str, decoding: str) -> tuple[torch.nn.Module, Decod
             parameter.add_(torch.randn_like(parameter) * 0.02)
     decoder = Decoder(model, layout, "sdpa")
     if decoding == "ours":
-        if decode_attention.compiler() is None:
+        if native.compiler() is None:
             pytest.skip("no C compiler to build the decoding attention with")
         assert decoder.decode_attention is not None
     else:
@@ -195,7 +195,7 @@ def test_eight_long_prompts_of_different_lengths_decode_together_as_transformers
     model = long_model(kind)
     decoder = Decoder(model, "torch", "sdpa")
     if decoding == "ours":
-        if decode_attention.compiler() is None:
+        if native.compiler() is None:
             pytest.skip("no C compiler to build the decoding attention with")
         assert decoder.decode_attention is not None
     else:
