@@ -4,7 +4,7 @@
 
 The engine runs the model as the worker loads it (``workers.loading``: its
 own forward pass, ``engine.decoder``, with the linear layers packed for
-oneDNN and transposed on a CPU; the decoding rows attending together;
+oneDNN and in blocks on a CPU; the decoding rows attending together;
 prompts and decoding rows in one forward pass), 9 requests submitted at
 once (8 rows at a time). The eager path is the same weights through
 transformers' own modules and ``F.linear`` (``linear = "torch"``), one

@@ -17,7 +17,7 @@ engine's threads (every core: ``workers.loading.engine_threads``), puts ``--rows
   this CPU pays per step).
 
 ``--linear torch`` computes the products with ``F.linear`` over the weights
-as loaded instead of the packed and transposed layouts (the "before" of
+as loaded instead of the packed and blocked layouts (the "before" of
 issue 26).
 
 Then torch's profiler over ``--steps`` runner steps: the operators by self

@@ -73,8 +73,8 @@ class ModelSpec:
     device: str = "auto"
     attention: str = "sdpa"
     # The linear layers' layout (engine.linear): "auto" on a CPU in float32
-    # holds each weight packed for oneDNN (steps of several rows) and
-    # transposed (a step of one row), elsewhere torch's own; "packed" holds
+    # holds each weight packed for oneDNN (a prompt's chunks) and in blocks
+    # (a decoding step's rows), elsewhere torch's own; "packed" holds
     # them packed alone (a worker that cannot pack fails to load it); "torch"
     # computes with F.linear over the weights as loaded.
     linear: str = "auto"

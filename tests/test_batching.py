@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import threading
 import time
 
@@ -16,7 +17,7 @@ import jsonschema
 import pytest
 import torch
 
-from engine import linear
+from engine import native, row_products
 from engine.client import BatchingEngine, Generation, engine_for
 from engine.interface import SamplingParams
 from engine.linear import Product, can_pack
@@ -502,7 +503,7 @@ def test_the_eager_kernel_batches_as_the_sdpa_one(lm, requests):
 
 def test_packed_linear_layers_answer_as_transformers_own(lm, requests):
     """On a CPU the engine computes its linear layers with weights packed for
-    oneDNN (and transposed, for a step of one row); the engine's greedy
+    oneDNN (and in blocks, for a decoding step's rows); the engine's greedy
     answers equal those of the same weights through transformers' own
     layers, one request at a time."""
     packs = can_pack(lm.model.device, lm.model.dtype)
@@ -510,7 +511,7 @@ def test_packed_linear_layers_answer_as_transformers_own(lm, requests):
     plain = load_model(dataclasses.replace(lm.spec, linear="torch"))
     assert type(plain.model.lm_head) is torch.nn.Linear
     products = [plain.decoder.head] + [layer.qkv for layer in plain.decoder.layers]
-    assert all(p.packed is None and p.transposed is None for p in products)
+    assert all(p.packed is None and p.blocks is None for p in products)
     gens = answered_together(lm, requests)
     for (ids, limit, _), gen in zip(requests, gens, strict=True):
         assert_same(plain, ids, generate_alone(plain, ids, limit), gen)
@@ -519,43 +520,59 @@ def test_packed_linear_layers_answer_as_transformers_own(lm, requests):
         load_model(dataclasses.replace(lm.spec, linear="packed", dtype="bfloat16"))
 
 
-def test_a_step_of_one_row_reads_the_layout_this_cpu_streams_fastest(lm, requests, monkeypatch):
-    """``linear = "auto"`` computes a step of several rows with the packed
-    weight, and a step of one row with the weight stored transposed where
-    this CPU computes one row faster so (``one_row_transposed``, measured
-    once a process), else with the packed one; ``linear = "packed"`` holds
-    the packed weights alone and gives the same greedy answers; ``torch`` is
-    ``F.linear``."""
-    measured = linear.one_row_transposed()
-    # Timed once a process, not at each of the loaded model's 121 products.
-    assert linear.one_row_transposed.cache_info().misses == 1
-    layer = torch.nn.Linear(64, 32)
-    weight, bias = layer.weight.detach(), layer.bias.detach()
-    for transposed_wins in (True, False):  # each CPU's case, whichever this one is
-        monkeypatch.setattr(linear, "one_row_transposed", lambda wins=transposed_wins: wins)
-        auto, packed = Product(weight, bias, "auto"), Product(weight, bias, "packed")
-        plain = Product(weight, bias, "torch")
-        assert (auto.transposed is not None) == transposed_wins
-        assert packed.transposed is None and packed.weight is None
-        with torch.inference_mode():
-            for rows in (1, 2, 3):
-                x = torch.randn(rows, 64)
-                by_packed = torch.ops.mkldnn._linear_pointwise(
-                    x, packed.packed, bias, "none", [], ""
-                )
-                assert torch.equal(packed(x), by_packed)
-                by_transposed = torch.addmm(bias, x, weight.t().contiguous())
-                one_transposed = rows == 1 and transposed_wins
-                assert torch.equal(auto(x), by_transposed if one_transposed else by_packed)
-                assert torch.equal(plain(x), torch.nn.functional.linear(x, weight, bias))
+def test_a_decoding_steps_rows_are_computed_in_blocks_each_as_alone(
+    lm, requests, tmp_path, monkeypatch, caplog
+):
+    """``linear = "auto"`` computes a step of up to ``row_products.MAX_ROWS``
+    rows with the weight in blocks (``engine.row_products``), within torch's
+    rounding of ``F.linear`` and each row the same bits as alone, and a wider
+    step (a prompt's chunk) with the packed weight; ``packed`` holds the
+    packed weights alone and gives the same greedy answers; ``torch`` is
+    ``F.linear``. Where the function cannot be built, ``auto`` packs alone."""
     if not can_pack(lm.model.device, lm.model.dtype):
-        return  # elsewhere torch's own products are kept (the test above)
-    # The worker's default, "auto", as this CPU measured it.
-    assert (lm.decoder.head.transposed is not None) == measured
+        pytest.skip("torch's own products are kept here (the test above)")
+    if native.compiler() is None:
+        pytest.skip("no C compiler to build the row products with")
+    layer = torch.nn.Linear(64, 37)  # a last block of 5 columns
+    weight, bias = layer.weight.detach(), layer.bias.detach()
+    auto, packed = Product(weight, bias, "auto"), Product(weight, bias, "packed")
+    plain = Product(weight, bias, "torch")
+    assert auto.blocks is not None and packed.blocks is None and packed.weight is None
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 8, 9, row_products.MAX_ROWS, row_products.MAX_ROWS + 1):
+            x = torch.randn(rows, 64)
+            by_packed = torch.ops.mkldnn._linear_pointwise(x, packed.packed, bias, "none", [], "")
+            assert torch.equal(packed(x), by_packed)
+            by_torch = torch.nn.functional.linear(x, weight, bias)
+            assert torch.equal(plain(x), by_torch)
+            if rows > row_products.MAX_ROWS:
+                assert torch.equal(auto(x), by_packed)
+                continue
+            together = auto(x)
+            assert torch.allclose(together, by_torch, atol=1e-5, rtol=1e-5)
+            for row in range(rows):
+                assert torch.equal(auto(x[row : row + 1]), together[row : row + 1])
+    # The worker's default, "auto", as loaded.
+    assert lm.decoder.head.blocks is not None
     packed_only = load_model(dataclasses.replace(lm.spec, linear="packed"))
     layers = packed_only.decoder.layers
     products = [packed_only.decoder.head] + [p for layer in layers for p in (layer.qkv, layer.down)]
-    assert all(p.packed is not None and p.transposed is None for p in products)
+    assert all(p.packed is not None and p.blocks is None for p in products)
     gens = answered_together(packed_only, requests)
     for (ids, _, alone), gen in zip(requests, gens, strict=True):
         assert_same(packed_only, ids, alone, gen)
+    # No compiler: the blocks are not laid out, every step is packed.
+    monkeypatch.setenv("LMSP_KERNEL_CACHE", str(tmp_path))  # nothing built there
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    row_products.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="engine.row_products"):
+            fallback = Product(weight, bias, "auto")
+        assert "fall back to oneDNN's kernel" in caplog.text
+        assert fallback.blocks is None and fallback.packed is not None
+        x = torch.randn(2, 64)
+        with torch.inference_mode():
+            by_packed = torch.ops.mkldnn._linear_pointwise(x, packed.packed, bias, "none", [], "")
+            assert torch.equal(fallback(x), by_packed)
+    finally:
+        row_products.load.cache_clear()  # built again where the environment says, once undone

@@ -94,10 +94,11 @@ def engine_threads(spec: ModelSpec, device_type: str, available: int) -> int:
 
 def linear_layers(layout: str) -> str:
     """How the load log names the model's linear layers."""
-    from engine.linear import one_row_transposed
+    from engine import row_products
 
     if layout == "auto":
-        return "packed and transposed" if one_row_transposed() else "packed (one row too)"
+        built = row_products.load() is not None
+        return "packed and in blocks (steps of few rows)" if built else "packed (few rows too)"
     return {"packed": "packed", "torch": "torch's"}[layout]
 
 
@@ -109,11 +110,11 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     parallel region, for as long as that thread lives, and once the process
     holds more of them than the machine has cores, every pool's threads
     spin only a moment before they sleep. Loaded on the worker's main
-    thread (which packs the weights and times their layouts on every core),
-    that pool stayed, and the engine thread's steps woke a sleeping thread
-    for each product: one row took 46.5-49.1 ms on two threads, as on one,
-    against 29.5-30.1 ms with no other pool (2-core Xeon). Ended with its
-    thread, the loader's pool leaves the engine thread's alone."""
+    thread (which packs the weights on every core), that pool stayed, and
+    the engine thread's steps woke a sleeping thread for each product: one
+    row took 46.5-49.1 ms on two threads, as on one, against 29.5-30.1 ms
+    with no other pool (2-core Xeon). Ended with its thread, the loader's
+    pool leaves the engine thread's alone."""
     with ThreadPoolExecutor(1, thread_name_prefix=f"load-{spec.id}") as loader:
         return loader.submit(_load, spec).result()
 
