@@ -12,6 +12,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* Tokens ahead whose keys (values) are asked for while one is read: a row's
+   keys are read once, cold, and the hardware's prefetcher starts again at
+   every 4 KB page (16 tokens of 64 floats). 30 layers, 2 threads, cold,
+   medians of 20 alternated: 8 rows at context 200 6.92 ms without, 5.60
+   with 8 ahead (one at a time, 4 ahead 5.61 and 16 5.54); at context 800
+   25.94 against 22.32; one row at 200 0.98 against 0.87. Asking past a
+   slot's last token is harmless: a prefetch never faults. */
+#define AHEAD 8
+
 /* Inlined where called with constant sizes (groups of query heads, head_dim),
    so that the loops unroll and the accumulators stay in registers. */
 #define INLINE static inline __attribute__((always_inline))
@@ -23,6 +32,7 @@ INLINE void scores_block(const float *restrict qh, const float *restrict k, floa
 {
     for (int64_t t = 0; t < n; t++) {
         const float *kt = k + t * dim;
+        for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(kt + AHEAD * dim + d);
         for (int64_t g = 0; g < gb; g++) {
             const float *qg = qh + g * dim;
             float s = 0.0f;
@@ -42,6 +52,7 @@ INLINE void values_block(const float *restrict v, const float *restrict scores, 
         for (int64_t d = 0; d < dim; d++) acc[g][d] = 0.0f;
     for (int64_t t = 0; t < n; t++) {
         const float *vt = v + t * dim;
+        for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(vt + AHEAD * dim + d);
         for (int64_t g = 0; g < gb; g++) {
             const float p = scores[g * n + t];
             for (int64_t d = 0; d < dim; d++) acc[g][d] += p * vt[d];
