@@ -5,7 +5,7 @@
    The weight is laid out in blocks of BLOCK output columns, each block's
    columns side by side for every input ([blocks][in][BLOCK], the last block
    padded with zeros), so that a block is one stream of memory and one input's
-   BLOCK weights are one vector. Each output is its bias plus the products of
+   BLOCK weights are one vector (two with AVX2). Each output is its bias plus the products of
    its inputs added in order, one fused multiply-add at a time (no
    -ffast-math: nothing is reordered), whatever the tile it is computed in:
    a row's answer is the same bits whatever rows are computed beside it. */
@@ -13,20 +13,23 @@
 #include <stdint.h>
 
 #define BLOCK 16
-typedef float block __attribute__((vector_size(BLOCK * sizeof(float)), aligned(4)));
 #define INLINE static inline __attribute__((always_inline))
 
-/* A tile is ROWS rows by COLS blocks, its accumulators held in registers:
-   32 vector registers with AVX-512, where a block is one of them; 16 with
-   AVX2, where a block is two. The fewer the rows, the more blocks a tile
-   takes, so that several sums are in flight at once. */
+/* A tile is ROWS rows by COLS blocks, its sums held in registers: 32 vector
+   registers of 16 floats with AVX-512, 16 of 8 with AVX2 (a block is then
+   two). The fewer the rows, the more blocks a tile takes, so that several
+   sums are in flight at once. */
 #ifdef __AVX512F__
+#define LANES 16
 #define TILE_ROWS 8
 #define TILE_BLOCKS(rows) ((rows) <= 2 ? 4 : 2)
 #else
+#define LANES 8
 #define TILE_ROWS 4
 #define TILE_BLOCKS(rows) ((rows) <= 1 ? 4 : (rows) <= 2 ? 2 : 1)
 #endif
+#define PARTS (BLOCK / LANES) /* vectors a block holds */
+typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
 /* Blocks computed for every row before the next: a few hundred KB of
    weights, still in the core's cache for the rows' second tile. */
 #define GROUP 4
@@ -37,27 +40,30 @@ INLINE void tile(const float *restrict x, int64_t x_stride, const float *restric
                  int64_t block_stride, const float *restrict bias, float *restrict y,
                  int64_t y_stride, int64_t in, const int rows, const int cols, int64_t width)
 {
-    block acc[TILE_ROWS][4]; /* TILE_BLOCKS is at most 4 */
-    for (int c = 0; c < cols; c++) {
-        block start = {0};
-        if (bias) start = *(const block *)(bias + c * BLOCK);
+    vec acc[TILE_ROWS][4 * PARTS]; /* TILE_BLOCKS is at most 4 */
+    for (int c = 0; c < cols * PARTS; c++) {
+        vec start = {0};
+        if (bias) start = *(const vec *)(bias + c * LANES);
         for (int r = 0; r < rows; r++) acc[r][c] = start;
     }
     for (int64_t k = 0; k < in; k++) {
         for (int c = 0; c < cols; c++) {
-            const block wk = *(const block *)(w + c * block_stride + k * BLOCK);
-            for (int r = 0; r < rows; r++) acc[r][c] += x[r * x_stride + k] * wk;
+            for (int p = 0; p < PARTS; p++) {
+                const vec wk = *(const vec *)(w + c * block_stride + k * BLOCK + p * LANES);
+                for (int r = 0; r < rows; r++) acc[r][c * PARTS + p] += x[r * x_stride + k] * wk;
+            }
         }
     }
     for (int r = 0; r < rows; r++) {
-        for (int c = 0; c < cols; c++) {
-            float *yc = y + r * y_stride + c * BLOCK;
-            if (c < cols - 1 || width == BLOCK) {
-                *(block *)yc = acc[r][c];
+        for (int c = 0; c < cols * PARTS; c++) {
+            float *yc = y + r * y_stride + c * LANES;
+            const int64_t left = c < (cols - 1) * PARTS ? LANES : width - (c % PARTS) * LANES;
+            if (left >= LANES) {
+                *(vec *)yc = acc[r][c];
             } else {
-                float last[BLOCK];
-                *(block *)last = acc[r][c];
-                for (int64_t j = 0; j < width; j++) yc[j] = last[j];
+                float last[LANES];
+                *(vec *)last = acc[r][c];
+                for (int64_t j = 0; j < left; j++) yc[j] = last[j];
             }
         }
     }
