@@ -9,7 +9,7 @@ stored (``[out, in]``) to MKL, which lays it out again at every call.
   once at load. 8 rows through SmolLM2-135M's 211 layers took 91 ms
   instead of 189 with ``F.linear`` (bench/README.md, issue 26). vLLM's CPU
   backend packs its weights for oneDNN the same way.
-- **A decoding step's few rows** (up to ``row_products.MAX_ROWS``): the
+- **A decoding step's few rows** (up to ``blocked_rows``): the
   weight in blocks of 16 output columns for a C function of our own
   (``engine.row_products``), made once at load where it builds: 8 rows of
   SmolLM2-135M's 121 products in 33.7-34.6 ms against oneDNN's 43.0-43.9,
@@ -33,6 +33,10 @@ answers with those of transformers' own layers.
 
 from __future__ import annotations
 
+import functools
+import time
+from collections.abc import Callable
+
 import torch
 
 from . import row_products
@@ -50,27 +54,77 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+# Row counts at which the layouts are timed against each other (``blocked_rows``).
+TIMED_ROWS = (1, 4, 8, 16, 32)
+
+
+@functools.cache
+def blocked_rows() -> int:
+    """The most rows of a step this CPU computes faster in blocks
+    (``engine.row_products``) than with oneDNN's packed weights, of
+    ``TIMED_ROWS``; 0 where the function cannot be built, or where one row
+    is faster packed. Timed once per process on the calling thread's
+    threads, over 96 MB of weights in each layout (a model's, not a cache's
+    worth), each layout's best of 3 rounds, the rounds alternated: AVX-512
+    and AVX2 builds differ, and so do CPUs (about 0.5 s)."""
+    products = row_products.load()
+    if products is None:
+        return 0
+    weights = [torch.randn(2048, 1024) for _ in range(12)]
+    packed = [_pack(weight, None) for weight in weights]
+    blocks = [products.lay_out(weight) for weight in weights]
+    del weights
+    layouts: dict[str, Callable[[torch.Tensor], object]] = {
+        "blocks": lambda x: [products(x, block, None, 2048) for block in blocks],
+        "packed": lambda x: [_linear_packed(x, p, None, "none", [], "") for p in packed],
+    }
+    fastest = 0
+    with torch.inference_mode():
+        for rows in TIMED_ROWS:
+            x = torch.randn(rows, 1024)
+            best = dict.fromkeys(layouts, float("inf"))
+            for _ in range(3):
+                for layout, product in layouts.items():
+                    started = time.perf_counter()
+                    product(x)
+                    best[layout] = min(best[layout], time.perf_counter() - started)
+            if best["blocks"] >= best["packed"]:
+                break
+            fastest = rows
+    return fastest
+
+
 class Product:
     """One linear layer, ``x @ weight.T + bias`` over rows ``x`` (``[rows, in]``),
     in ``layout`` (one of ``LAYOUTS``; ``auto`` and ``packed`` need
     ``can_pack``)."""
 
-    __slots__ = ("bias", "blocked_bias", "blocks", "few_rows", "out", "packed", "weight")
+    __slots__ = (
+        "bias",
+        "blocked_bias",
+        "blocked_rows",
+        "blocks",
+        "few_rows",
+        "out",
+        "packed",
+        "weight",
+    )
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> None:
         self.bias = bias
         self.out = weight.shape[0]
         self.weight = weight if layout == "torch" else None
         self.packed = _pack(weight, None) if layout != "torch" else None
-        # A decoding step's rows, where the function builds on this machine.
-        self.few_rows = row_products.load() if layout == "auto" else None
+        # A decoding step's rows, where the function builds and wins on this CPU.
+        self.blocked_rows = blocked_rows() if layout == "auto" else 0
+        self.few_rows = row_products.load() if self.blocked_rows else None
         self.blocks = self.few_rows.lay_out(weight) if self.few_rows is not None else None
         self.blocked_bias = (
             self.few_rows.lay_out(bias) if self.few_rows is not None and bias is not None else None
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_rows is not None and x.shape[0] <= row_products.MAX_ROWS:
+        if self.few_rows is not None and x.shape[0] <= self.blocked_rows:
             assert self.blocks is not None
             return self.few_rows(x, self.blocks, self.blocked_bias, self.out)
         if self.packed is not None:

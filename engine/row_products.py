@@ -13,8 +13,10 @@ AVX-512; the 8-row step 66.6-67.5 ms against 51.7-54.2). Apart, the same
 products with random weights, medians of 12 alternated rounds: one row 24.0
 ms against 24.1 by MKL over weights stored transposed (``auto``'s layout
 for one row before), 2 rows 25.7 against 32.7 and oneDNN's 34.1, 32 rows
-56.7 against 63.7 (oneDNN's). A prompt's chunk of 64 rows keeps oneDNN's
-kernel (bench/README.md, issue 42).
+56.7 against 63.7 (oneDNN's). Up to how many rows a step is computed here
+is timed on the CPU at hand when a model loads (``engine.linear.blocked_rows``);
+wider steps, and a prompt's chunks, keep oneDNN's kernel (bench/README.md,
+issue 42).
 
 Each output is summed in its inputs' order whatever rows it is computed
 beside (``row_products.c``), so a request's logits, and its greedy answer,
@@ -45,9 +47,6 @@ SOURCE = Path(__file__).with_name("row_products.c")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-fopenmp")
 LINK_FLAGS = ("-fopenmp",)  # libgomp: torch's own, the same soname (decode_attention.py)
 BLOCK = 16  # output columns a block holds (row_products.c)
-# The most rows a step computes here; a wider one (a prompt's chunk of 64)
-# keeps oneDNN's packed kernel.
-MAX_ROWS = 32
 _I64, _POINTER = ctypes.c_int64, ctypes.c_void_p
 _ARGUMENTS = (_POINTER, _I64, _I64, _I64, _POINTER, _POINTER, _I64, _POINTER, _I64)
 
@@ -116,13 +115,14 @@ def load() -> RowProducts | None:
 
 def _check(products: RowProducts) -> float:
     """How far the function's answer is from torch's on a small random case
-    (every row count up to ``MAX_ROWS``, a last block part empty, a bias)."""
+    (every row count up to two tiles of 8 and one more, a last block part
+    empty, a bias)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(3 * BLOCK + 5, 70, generator=generator)
     bias = torch.randn(weight.shape[0], generator=generator)
     blocks, padded_bias = products.lay_out(weight), products.lay_out(bias)
     worst = 0.0
-    for rows in range(1, MAX_ROWS + 1):
+    for rows in range(1, 18):
         x = torch.randn(rows, weight.shape[1], generator=generator)
         ours = products(x, blocks, padded_bias, weight.shape[0])
         worst = max(worst, float((ours - F.linear(x, weight, bias)).abs().max()))

@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 import torch
 
-from engine import native, row_products
+from engine import linear, native, row_products
 from engine.client import BatchingEngine, Generation, engine_for
 from engine.interface import SamplingParams
 from engine.linear import Product, can_pack
@@ -523,37 +523,45 @@ def test_packed_linear_layers_answer_as_transformers_own(lm, requests):
 def test_a_decoding_steps_rows_are_computed_in_blocks_each_as_alone(
     lm, requests, tmp_path, monkeypatch, caplog
 ):
-    """``linear = "auto"`` computes a step of up to ``row_products.MAX_ROWS``
-    rows with the weight in blocks (``engine.row_products``), within torch's
-    rounding of ``F.linear`` and each row the same bits as alone, and a wider
-    step (a prompt's chunk) with the packed weight; ``packed`` holds the
-    packed weights alone and gives the same greedy answers; ``torch`` is
-    ``F.linear``. Where the function cannot be built, ``auto`` packs alone."""
+    """The row products (``engine.row_products``) give ``F.linear``'s answers
+    within its rounding, each row the same bits as alone. ``linear = "auto"``
+    computes a step of up to ``blocked_rows`` rows (as this CPU timed the
+    layouts, once a process) with them, and a wider step (a prompt's chunk)
+    with the packed weight; ``packed`` holds the packed weights alone and
+    gives the same greedy answers; ``torch`` is ``F.linear``. Where the
+    function cannot be built, ``auto`` packs alone."""
     if not can_pack(lm.model.device, lm.model.dtype):
         pytest.skip("torch's own products are kept here (the test above)")
     if native.compiler() is None:
         pytest.skip("no C compiler to build the row products with")
+    limit = linear.blocked_rows()
+    # Timed once a process, not at each of the loaded model's 121 products.
+    assert linear.blocked_rows.cache_info().misses == 1
+    assert limit in (0, *linear.TIMED_ROWS)
     layer = torch.nn.Linear(64, 37)  # a last block of 5 columns
     weight, bias = layer.weight.detach(), layer.bias.detach()
     auto, packed = Product(weight, bias, "auto"), Product(weight, bias, "packed")
     plain = Product(weight, bias, "torch")
-    assert auto.blocks is not None and packed.blocks is None and packed.weight is None
+    assert (auto.blocks is not None) == (limit > 0)
+    assert packed.blocks is None and packed.weight is None
+    products = row_products.load()
+    assert products is not None  # a compiler is here: it must build and pass its check
+    blocks, blocked_bias = products.lay_out(weight), products.lay_out(bias)
     with torch.inference_mode():
-        for rows in (1, 2, 3, 8, 9, row_products.MAX_ROWS, row_products.MAX_ROWS + 1):
+        for rows in sorted({1, 2, 3, 8, 9, 17, 33, limit, limit + 1} - {0}):
             x = torch.randn(rows, 64)
-            by_packed = torch.ops.mkldnn._linear_pointwise(x, packed.packed, bias, "none", [], "")
-            assert torch.equal(packed(x), by_packed)
             by_torch = torch.nn.functional.linear(x, weight, bias)
-            assert torch.equal(plain(x), by_torch)
-            if rows > row_products.MAX_ROWS:
-                assert torch.equal(auto(x), by_packed)
-                continue
-            together = auto(x)
+            together = products(x, blocks, blocked_bias, 37)
             assert torch.allclose(together, by_torch, atol=1e-5, rtol=1e-5)
             for row in range(rows):
-                assert torch.equal(auto(x[row : row + 1]), together[row : row + 1])
+                alone = products(x[row : row + 1], blocks, blocked_bias, 37)
+                assert torch.equal(alone, together[row : row + 1])
+            by_packed = torch.ops.mkldnn._linear_pointwise(x, packed.packed, bias, "none", [], "")
+            assert torch.equal(packed(x), by_packed)
+            assert torch.equal(plain(x), by_torch)
+            assert torch.equal(auto(x), together if rows <= limit else by_packed)
     # The worker's default, "auto", as loaded.
-    assert lm.decoder.head.blocks is not None
+    assert (lm.decoder.head.blocks is not None) == (limit > 0)
     packed_only = load_model(dataclasses.replace(lm.spec, linear="packed"))
     layers = packed_only.decoder.layers
     products = [packed_only.decoder.head] + [p for layer in layers for p in (layer.qkv, layer.down)]
@@ -565,6 +573,7 @@ def test_a_decoding_steps_rows_are_computed_in_blocks_each_as_alone(
     monkeypatch.setenv("LMSP_KERNEL_CACHE", str(tmp_path))  # nothing built there
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     row_products.load.cache_clear()
+    linear.blocked_rows.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="engine.row_products"):
             fallback = Product(weight, bias, "auto")
@@ -574,5 +583,6 @@ def test_a_decoding_steps_rows_are_computed_in_blocks_each_as_alone(
         with torch.inference_mode():
             by_packed = torch.ops.mkldnn._linear_pointwise(x, packed.packed, bias, "none", [], "")
             assert torch.equal(fallback(x), by_packed)
-    finally:
-        row_products.load.cache_clear()  # built again where the environment says, once undone
+    finally:  # built and timed again where the environment says, once undone
+        row_products.load.cache_clear()
+        linear.blocked_rows.cache_clear()

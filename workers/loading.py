@@ -94,11 +94,11 @@ def engine_threads(spec: ModelSpec, device_type: str, available: int) -> int:
 
 def linear_layers(layout: str) -> str:
     """How the load log names the model's linear layers."""
-    from engine import row_products
+    from engine.linear import blocked_rows
 
     if layout == "auto":
-        built = row_products.load() is not None
-        return "packed and in blocks (steps of few rows)" if built else "packed (few rows too)"
+        rows = blocked_rows()
+        return f"packed and in blocks (steps of up to {rows} rows)" if rows else "packed"
     return {"packed": "packed", "torch": "torch's"}[layout]
 
 
