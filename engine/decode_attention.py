@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -84,13 +83,12 @@ def load(scale: float) -> DecodeAttention | None:
     """The function for a model whose attention scales by ``scale``, built if
     needed; None where it cannot be built or fails its check."""
     try:
-        library = native.load(SOURCE, COMPILE_FLAGS, LINK_FLAGS)
-    except (OSError, subprocess.SubprocessError) as error:
+        function = native.function(
+            SOURCE, COMPILE_FLAGS, LINK_FLAGS, "lmsp_decode_attention", ctypes.c_int, _ARGUMENTS
+        )
+    except OSError as error:
         log.warning("Decoding attention falls back to torch's kernel: %s", error)
         return None
-    function = library.lmsp_decode_attention
-    function.restype = ctypes.c_int
-    function.argtypes = _ARGUMENTS
     attention = DecodeAttention(function, scale)
     difference = _check(attention, scale)
     if not difference <= 1e-4:  # NaN too

@@ -30,8 +30,9 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +50,26 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def load(source: Path, compile_flags: Sequence[str], link_flags: Sequence[str]) -> ctypes.CDLL:
-    """``source`` built with these flags (into ``cache_dir()`` unless an intact
-    build is there) and loaded; raises ``OSError`` or ``SubprocessError``
-    where it cannot be built or the cache may not be trusted."""
-    return ctypes.CDLL(str(_built(source, compile_flags, link_flags)))
+def function(
+    source: Path,
+    compile_flags: Sequence[str],
+    link_flags: Sequence[str],
+    name: str,
+    restype: type[ctypes._SimpleCData[Any]] | None,
+    argtypes: Sequence[type[ctypes._SimpleCData[Any]]],
+) -> Callable[..., Any]:
+    """The C function ``name`` of ``source`` built with these flags (into
+    ``cache_dir()`` unless an intact build is there), loaded, with its
+    argument and result types; raises ``OSError`` where it cannot be built
+    or the cache may not be trusted."""
+    try:
+        library = ctypes.CDLL(str(_built(source, compile_flags, link_flags)))
+    except subprocess.SubprocessError as error:
+        raise OSError(f"the C compiler failed: {error}") from error
+    built = getattr(library, name)
+    built.restype = restype
+    built.argtypes = argtypes
+    return cast(Callable[..., Any], built)
 
 
 def _built(source: Path, compile_flags: Sequence[str], link_flags: Sequence[str]) -> Path:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -94,13 +93,12 @@ def load() -> RowProducts | None:
     """The function, built if needed (once a process); None where it cannot
     be built or fails its check."""
     try:
-        library = native.load(SOURCE, COMPILE_FLAGS, LINK_FLAGS)
-    except (OSError, subprocess.SubprocessError) as error:
+        function = native.function(
+            SOURCE, COMPILE_FLAGS, LINK_FLAGS, "lmsp_row_products", None, _ARGUMENTS
+        )
+    except OSError as error:
         log.warning("Decoding steps' products fall back to oneDNN's kernel: %s", error)
         return None
-    function = library.lmsp_row_products
-    function.restype = None
-    function.argtypes = _ARGUMENTS
     products = RowProducts(function)
     difference = _check(products)
     if not difference <= 1e-4:  # NaN too
