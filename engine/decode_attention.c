@@ -1,9 +1,9 @@
 /* The decoding rows' attention on a CPU, float32: each row's one token's
    queries over its own slot's first tokens, read straight from the slots of
-   the key/value memory (workers/kv_cache.py), on the calling thread's
+   the key/value memory (engine/kv_cache.py), on the calling thread's
    OpenMP threads.
 
-   Built and loaded by workers/decode_attention.py, which says why it exists.
+   Built and loaded by engine/decode_attention.py, which says why it exists.
    Compiled with -ffast-math (so that the dot products and sums vectorize and
    expf comes from glibc's vector library) but linked without it, so that
    loading it does not switch the process's floating point to

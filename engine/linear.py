@@ -5,10 +5,10 @@ rows, so on a CPU it is bound by how fast each weight is laid out and
 streamed, and torch's ``F.linear`` is slow at both. It hands the weight as
 stored (``[out, in]``) to MKL, which lays it out again at every call.
 
-- **Several rows** (a prompt, a batch decoding): oneDNN's packed layout, made
-  once at load. 8 rows through SmolLM2-135M's 211 layers took 91 ms
-  instead of 189 with ``F.linear`` (bench/README.md, issue 26). vLLM's CPU
-  backend packs its weights for oneDNN the same way.
+- **Several rows** (a prompt's chunks, a step wider than ``blocked_rows``):
+  oneDNN's packed layout, made once at load. 8 rows through SmolLM2-135M's
+  211 layers took 91 ms instead of 189 with ``F.linear`` (bench/README.md,
+  issue 26). vLLM's CPU backend packs its weights for oneDNN the same way.
 - **A decoding step's few rows** (up to ``blocked_rows``): the
   weight in blocks of 16 output columns for a C function of our own
   (``engine.row_products``), made once at load where it builds: 8 rows of
