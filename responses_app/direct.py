@@ -104,7 +104,7 @@ def _events(
 def _delivered_result(task_id: str) -> dict[str, Any]:
     task = Task.objects.select_related("response").get(id=task_id)
     body = protocol.response_object(task.response)
-    records.discard_unneeded(delivered_task_id=task_id)
+    records.discard_delivered(task_id)
     return body
 
 
@@ -167,7 +167,7 @@ async def delivered_events(
     finally:
         try:
             if delivered:
-                await db_call(records.discard_unneeded, delivered_task_id=task.id)
+                await db_call(records.discard_delivered, task.id)
             elif client_gone and _leaving(task, cancel_if_left):
                 await asyncio.shield(db_call(task_services.cancel_abandoned, task.id))
         except DatabaseError:  # the stream itself is whole: do not break it now

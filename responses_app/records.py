@@ -5,7 +5,7 @@ A response is built here and created with its task (``submit``), given its
 outcome and reopened when the task lifecycle says so (``tasks_app.signals``,
 connected in ``apps``); its status follows its task's, moved by the task's
 lifecycle (``tasks_app.transitions``). It is discarded under one rule
-(``discard_unneeded``), and erased on request or past the retention of
+(``discard_unneeded``, ``discard_delivered``), and erased on request or past the retention of
 stored responses (``erase``, ``forget_expired``). An erasure, an owner's
 deletion included (``owner_deleted``), is announced to the model workers
 once it commits, so that they drop what their prefix caches hold of that
@@ -19,7 +19,7 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
@@ -88,37 +88,72 @@ def reopen(sender: type, task: Task, **_: object) -> None:
     )
 
 
-def discard_unneeded(delivered_task_id: str | None = None) -> int:
+def discard_unneeded() -> int:
     """Delete the responses nobody can fetch again, with their tasks.
 
     The one rule: a ``store: false`` response whose task has ended, that no
     idempotency key can replay, and whose own reader is done with it: a
-    direct answer once delivered or a grace period after it ended, a task's
+    direct answer once delivered (``discard_delivered``, at its end) or a
+    grace period after it ended (here, for one whose reader left), a task's
     result once the task is past ``LMSP_TASK_RETENTION_SECONDS``. Stored
-    responses stay until deleted.
-
-    ``delivered_task_id``: the direct answer just delivered, and only it (the
-    pruner sweeps the others): this runs at the end of every direct answer,
-    where a sweep of every ended task would read the whole table each time.
-    Returns how many rows were deleted.
+    responses stay until deleted. Returns how many rows were deleted.
     """
+    now = timezone.now()
+    retention = timedelta(seconds=settings.LMSP_TASK_RETENTION_SECONDS)
     unneeded = Response.objects.filter(
+        Q(task__kind=TaskKind.DIRECT, task__completed_at__lt=now - UNDELIVERED_GRACE)
+        | Q(task__kind=TaskKind.TASK, task__completed_at__lte=now - retention),
         store=False,
         task__status__in=FINAL_STATUSES,
         task__idempotencykey__isnull=True,
     )
-    if delivered_task_id is not None:
-        unneeded = unneeded.filter(task__id=delivered_task_id, task__kind=TaskKind.DIRECT)
-    else:
-        now = timezone.now()
-        retention = timedelta(seconds=settings.LMSP_TASK_RETENTION_SECONDS)
-        unneeded = unneeded.filter(
-            Q(task__kind=TaskKind.DIRECT, task__completed_at__lt=now - UNDELIVERED_GRACE)
-            | Q(task__kind=TaskKind.TASK, task__completed_at__lte=now - retention)
-        )
     # Only the ids: the deletion needs no more, and a response's input and
     # output (a whole conversation's words) would be read for nothing.
     return unneeded.only("id").delete()[0]
+
+
+# ``discard_unneeded``'s rule for one direct answer, and what deleting its
+# response cascades to (``Response``'s and ``Task``'s relations), as one
+# statement: it runs at the end of every direct answer, before its stream
+# ends. Django's deletion took 11 round trips (two reads, BEGIN, six writes,
+# COMMIT), 6.2-7.5 ms with nothing else running (this: 1.4-1.6 ms); 8 streams
+# ending together in front of vLLM got their ``[DONE]`` 7-224 ms after their
+# last text (this: 0-36 ms; vLLM's own: 0-5 ms). The foreign keys are checked
+# at commit (Django makes them deferred), so the rows go in any order.
+_DISCARD_DELIVERED_SQL = """
+WITH doomed AS (
+    SELECT task.id AS task_id, task.response_id
+      FROM tasks_app_task AS task
+      JOIN responses_app_response AS response ON response.id = task.response_id
+     WHERE task.id = %(task)s AND task.kind = %(direct)s AND task.status = ANY(%(final)s)
+       AND NOT response.store
+       AND NOT EXISTS (SELECT FROM tasks_app_idempotencykey AS k WHERE k.task_id = task.id)
+), events AS (
+    DELETE FROM tasks_app_event WHERE task_id IN (SELECT task_id FROM doomed)
+), chunks AS (
+    DELETE FROM tasks_app_tokenchunk WHERE task_id IN (SELECT task_id FROM doomed)
+), positions AS (
+    DELETE FROM tasks_app_queueposition WHERE task_id IN (SELECT task_id FROM doomed)
+), continuations AS (
+    UPDATE responses_app_response SET previous_response_id = NULL
+     WHERE previous_response_id IN (SELECT response_id FROM doomed)
+), tasks AS (
+    DELETE FROM tasks_app_task WHERE id IN (SELECT task_id FROM doomed)
+)
+DELETE FROM responses_app_response WHERE id IN (SELECT response_id FROM doomed)
+"""
+
+
+def discard_delivered(task_id: str) -> bool:
+    """Delete the direct answer of ``task_id``, just delivered, with its task,
+    if ``discard_unneeded``'s rule lets it go (``store: false``, ended, no
+    idempotency key); whether it did."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            _DISCARD_DELIVERED_SQL,
+            {"task": task_id, "direct": TaskKind.DIRECT.value, "final": list(FINAL_STATUSES)},
+        )
+        return bool(cursor.rowcount > 0)
 
 
 @transaction.atomic
