@@ -113,13 +113,16 @@ def discard_unneeded() -> int:
 
 
 # ``discard_unneeded``'s rule for one direct answer, and what deleting its
-# response cascades to (``Response``'s and ``Task``'s relations), as one
-# statement: it runs at the end of every direct answer, before its stream
-# ends. Django's deletion took 11 round trips (two reads, BEGIN, six writes,
-# COMMIT), 6.2-7.5 ms with nothing else running (this: 1.4-1.6 ms); 8 streams
-# ending together in front of vLLM got their ``[DONE]`` 7-224 ms after their
-# last text (this: 0-36 ms; vLLM's own: 0-5 ms). The foreign keys are checked
-# at commit (Django makes them deferred), so the rows go in any order.
+# response cascades to (``Task``'s relations), as one statement: it runs at the
+# end of every direct answer, before its stream ends. Django's deletion took 11
+# round trips (two reads, BEGIN, six writes, COMMIT), 6.2-7.5 ms with nothing
+# else running (this: 1.4-1.6 ms); 8 streams ending together in front of vLLM
+# got their ``[DONE]`` 7-224 ms after their last text (this: 0-36 ms; vLLM's
+# own: 0-5 ms). The foreign keys are checked at commit (Django makes them
+# deferred), so the rows go in any order. Only a stored response can be
+# continued (``selectors.stored_response``): one that a later turn points to
+# all the same is left to ``discard_unneeded``, which empties that turn's
+# ``previous_response`` as it deletes.
 _DISCARD_DELIVERED_SQL = """
 WITH doomed AS (
     SELECT task.id AS task_id, task.response_id
@@ -128,15 +131,14 @@ WITH doomed AS (
      WHERE task.id = %(task)s AND task.kind = %(direct)s AND task.status = ANY(%(final)s)
        AND NOT response.store
        AND NOT EXISTS (SELECT FROM tasks_app_idempotencykey AS k WHERE k.task_id = task.id)
+       AND NOT EXISTS (SELECT FROM responses_app_response AS later
+                        WHERE later.previous_response_id = response.id)
 ), events AS (
     DELETE FROM tasks_app_event WHERE task_id IN (SELECT task_id FROM doomed)
 ), chunks AS (
     DELETE FROM tasks_app_tokenchunk WHERE task_id IN (SELECT task_id FROM doomed)
 ), positions AS (
     DELETE FROM tasks_app_queueposition WHERE task_id IN (SELECT task_id FROM doomed)
-), continuations AS (
-    UPDATE responses_app_response SET previous_response_id = NULL
-     WHERE previous_response_id IN (SELECT response_id FROM doomed)
 ), tasks AS (
     DELETE FROM tasks_app_task WHERE id IN (SELECT task_id FROM doomed)
 )

@@ -19,11 +19,12 @@ from generation.registry import get_model
 from lmsp_core import protocol
 from lmsp_core.errors import ProblemError
 from lmsp_core.status import Status
+from responses_app import records
 from responses_app.models import Response
 from responses_app.serializers import validate_response_request
 from responses_app.submit import prepare_generation, start_generation
 from tasks_app import checkpoints, claims, endings, lifecycle, sweeper
-from tasks_app.models import Event, Task, TaskKind
+from tasks_app.models import Event, Task, TaskKind, TokenChunk
 from tasks_app.notify import CANCEL_CHANNEL
 from workers import runner as runner_module
 from workers.cancellation import CancelWatch
@@ -452,3 +453,36 @@ def test_a_previous_response_deleted_before_its_follow_up_is_stored_is_404():
         start_generation(owner, prepared, TaskKind.TASK)
     assert refused.value.code == "response_not_found"
     assert refused.value.param == "previous_response_id"
+
+
+def test_a_delivered_direct_answer_goes_whole_unless_a_later_turn_points_to_it():
+    """``records.discard_delivered`` deletes in one statement what Django's
+    cascade deleted (the task, its events and token chunks); a response a
+    later turn points to (only a stored one can be continued, so this is a
+    row written by hand) is left to the pruner, which empties the pointer."""
+    owner, _ = get_user_model().objects.get_or_create(username="alice")
+
+    def ended_direct_answer() -> Task:
+        prepared = prepare_generation(owner, validate_response_request(request_body()))
+        task = start_generation(owner, prepared, TaskKind.DIRECT)
+        TokenChunk.objects.create(task_id=task.id, start=0, token_ids=[1, 2])
+        Task.objects.filter(id=task.id).update(status=Status.COMPLETED, completed_at=timezone.now())
+        return task
+
+    delivered, pointed_to, later = (ended_direct_answer() for _ in range(3))
+    Response.objects.filter(id=later.response_id).update(previous_response=pointed_to.response_id)
+
+    assert records.discard_delivered(delivered.id)
+    assert not Response.objects.filter(id=delivered.response_id).exists()
+    assert not Task.objects.filter(id=delivered.id).exists()
+    assert not Event.objects.filter(task_id=delivered.id).exists()
+    assert not TokenChunk.objects.filter(task_id=delivered.id).exists()
+
+    assert not records.discard_delivered(pointed_to.id)
+    assert Event.objects.filter(task_id=pointed_to.id).exists()
+    Task.objects.filter(id=pointed_to.id).update(
+        completed_at=timezone.now() - records.UNDELIVERED_GRACE - timedelta(seconds=1)
+    )
+    records.discard_unneeded()
+    assert not Response.objects.filter(id=pointed_to.response_id).exists()
+    assert Response.objects.get(id=later.response_id).previous_response_id is None
