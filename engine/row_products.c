@@ -5,10 +5,11 @@
    The weight is laid out in blocks of BLOCK output columns, each block's
    columns side by side for every input ([blocks][in][BLOCK], the last block
    padded with zeros), so that a block is one stream of memory and one input's
-   BLOCK weights are one vector (two with AVX2). Each output is its bias plus the products of
-   its inputs added in order, one fused multiply-add at a time (no
-   -ffast-math: nothing is reordered), whatever the tile it is computed in:
-   a row's answer is the same bits whatever rows are computed beside it. */
+   BLOCK weights are one vector (two with AVX2). Each output is its bias plus
+   the products of its inputs added in order, one fused multiply-add at a
+   time (no -ffast-math: nothing is reordered), whatever the tile it is
+   computed in: a row's answer is the same bits whatever rows are computed
+   beside it. */
 #include <omp.h>
 #include <stdint.h>
 

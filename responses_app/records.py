@@ -5,11 +5,11 @@ A response is built here and created with its task (``submit``), given its
 outcome and reopened when the task lifecycle says so (``tasks_app.signals``,
 connected in ``apps``); its status follows its task's, moved by the task's
 lifecycle (``tasks_app.transitions``). It is discarded under one rule
-(``discard_unneeded``, ``discard_delivered``), and erased on request or past the retention of
-stored responses (``erase``, ``forget_expired``). An erasure, an owner's
-deletion included (``owner_deleted``), is announced to the model workers
-once it commits, so that they drop what their prefix caches hold of that
-owner (``lmsp_core.erasure_news``).
+(``discard_unneeded``, ``discard_delivered``), and erased on request or
+past the retention of stored responses (``erase``, ``forget_expired``). An
+erasure, an owner's deletion included (``owner_deleted``), is announced to
+the model workers once it commits, so that they drop what their prefix
+caches hold of that owner (``lmsp_core.erasure_news``).
 """
 
 from __future__ import annotations

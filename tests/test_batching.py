@@ -564,8 +564,9 @@ def test_a_decoding_steps_rows_are_computed_in_blocks_each_as_alone(
     assert (lm.decoder.head.blocks is not None) == (limit > 0)
     packed_only = load_model(dataclasses.replace(lm.spec, linear="packed"))
     layers = packed_only.decoder.layers
-    products = [packed_only.decoder.head] + [p for layer in layers for p in (layer.qkv, layer.down)]
-    assert all(p.packed is not None and p.blocks is None for p in products)
+    layer_products = [packed_only.decoder.head]
+    layer_products += [p for layer in layers for p in (layer.qkv, layer.down)]
+    assert all(p.packed is not None and p.blocks is None for p in layer_products)
     gens = answered_together(packed_only, requests)
     for (ids, _, alone), gen in zip(requests, gens, strict=True):
         assert_same(packed_only, ids, alone, gen)
