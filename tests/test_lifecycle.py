@@ -486,3 +486,17 @@ def test_a_delivered_direct_answer_goes_whole_unless_a_later_turn_points_to_it()
     records.discard_unneeded()
     assert not Response.objects.filter(id=pointed_to.response_id).exists()
     assert Response.objects.get(id=later.response_id).previous_response_id is None
+
+
+def test_the_one_statement_discard_knows_every_relation_of_a_task_and_a_response():
+    """``records.discard_delivered`` names by hand what Django's cascade would
+    delete: a relation added to ``Task`` or ``Response`` later must be
+    deleted there too (or the answer kept out of it), else its foreign key
+    fails the statement at commit."""
+    sql = " ".join(records._DISCARD_DELIVERED_SQL.split())
+    for model in (Task, Response):
+        for relation in model._meta.related_objects:
+            table, column = relation.related_model._meta.db_table, relation.field.column
+            deleted = f"DELETE FROM {table} WHERE" in sql
+            kept_out = f"NOT EXISTS (SELECT FROM {table} AS" in sql and column in sql
+            assert deleted or kept_out, f"{table}.{column} is not in the discard statement"
